@@ -1,0 +1,1 @@
+"""Calibration data: sources, chat rendering and packing, seeded disjoint splits."""

@@ -1,0 +1,1 @@
+"""Triton W4A16 kernels and their torch reference."""

@@ -1,0 +1,250 @@
+"""The layer-by-layer quantization loop, written once for every architecture and method.
+
+1. Capture what enters the first decoder layer for the calibration batch (hidden states and the keyword arguments
+   the model passes every layer: position embeddings, masks).
+2. For each decoder layer in turn: hand a ``LayerSession`` to the method's layer driver, which runs the layer with
+   hooks to see what its linears see and returns their quantized weights; put the dequantized weights in place;
+   run the quantized layer to produce the next layer's inputs.
+
+Only the current layer needs to sit on the compute device. The engine knows no quantization algorithm: a driver is
+any ``LayerDriver`` callable, looked up by method name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from toolkit.models import arch_spec, decoder_layers, layer_linears
+from toolkit.quant.configs import WeightQuantConfig
+from toolkit.quant.primitives import QuantizedWeight
+
+
+class ActivationError(RuntimeError):
+    """Calibration activations that no quantizer can use (NaN or infinite values)."""
+
+
+class _Stop(Exception):
+    """Raised inside a hook to end a forward early, once everything asked for was seen."""
+
+
+@dataclass
+class LayerInputs:
+    """What enters one decoder layer for every calibration batch: hidden states [B, T, H] and keyword arguments."""
+
+    hidden: list[torch.Tensor]
+    kwargs: list[dict[str, Any]]
+
+
+@dataclass
+class LayerSession:
+    """One decoder layer, its calibration inputs, and the means to run it under hooks.
+
+    ``groups``: the linears grouped by shared input in execution order (traced once, on the first layer).
+    ``errors`` collects one number per linear (the driver's own measure of quantization error) for the report.
+    """
+
+    index: int
+    layer: nn.Module
+    inputs: LayerInputs | None
+    config: WeightQuantConfig
+    linears: dict[str, nn.Linear]
+    groups: list[list[str]] = field(default_factory=list)
+    errors: dict[str, float] = field(default_factory=dict)
+
+    def collect(
+        self,
+        names: Iterable[str],
+        on_input: Callable[[str, tuple, dict], None],
+        stop: bool = True,
+        batches: int | None = None,
+    ) -> None:
+        """Run the calibration batches (all, or the first ``batches``) through the layer, calling
+        ``on_input(name, args, kwargs)`` as each named submodule is entered; with ``stop``, each batch ends as soon
+        as all named submodules were seen."""
+        names = list(names)
+        if self.inputs is None:
+            raise RuntimeError(f"method {self.config.method!r} needs calibration activations")
+        pending: set[str] = set()
+
+        def make_hook(name):
+            def hook(module, args, kwargs):
+                on_input(name, args, kwargs)
+                pending.discard(name)
+                if stop and not pending:
+                    raise _Stop
+            return hook
+
+        handles = [
+            self.layer.get_submodule(n).register_forward_pre_hook(make_hook(n), with_kwargs=True) for n in names
+        ]
+        try:
+            for hidden, kwargs in list(zip(self.inputs.hidden, self.inputs.kwargs))[:batches]:
+                pending.update(names)
+                try:
+                    self.layer(hidden, **kwargs)
+                except _Stop:
+                    pass
+        finally:
+            for h in handles:
+                h.remove()
+
+    def collect_linear_inputs(self, names: Iterable[str], on_input: Callable[[str, torch.Tensor], None]) -> None:
+        """Like ``collect`` for linears: ``on_input(name, X)`` with X flattened to [tokens, in_features]."""
+        self.collect(names, lambda name, args, kwargs: on_input(name, args[0].reshape(-1, args[0].shape[-1])))
+
+    def forward(self) -> list[torch.Tensor]:
+        """Outputs of the layer (as it is now) for every calibration batch."""
+        return [_layer_output(self.layer(h, **kw)) for h, kw in zip(self.inputs.hidden, self.inputs.kwargs)]
+
+    def trace_input_groups(self) -> list[list[str]]:
+        """Linears grouped by the tensor they read, in execution order: [[q, k, v], [o], [gate, up], [down]] for
+        a Llama layer. Traced on the first batch, so it follows the real forward of any architecture."""
+        order: list[tuple[str, int]] = []
+        names = list(layer_linears(self.layer))
+        self.collect(names, lambda name, args, kwargs: order.append((name, id(args[0]))), batches=1)
+        groups: list[list[str]] = []
+        last_input = None
+        for name, input_id in order:
+            if groups and input_id == last_input:
+                groups[-1].append(name)
+            else:
+                groups.append([name])
+            last_input = input_id
+        return groups
+
+
+class LayerDriver(Protocol):
+    """A method's per-layer step: quantize the session's linears, return their weights by relative name."""
+
+    def __call__(self, session: LayerSession) -> dict[str, QuantizedWeight]: ...
+
+
+class Progress(Protocol):
+    """What the engine reports while it runs (the CLI renders it with Rich)."""
+
+    def start(self, total_layers: int) -> None: ...
+
+    def step(self, message: str) -> None: ...
+
+    def layer_done(self, index: int, errors: dict[str, float]) -> None: ...
+
+
+class _Silent:
+    def start(self, total_layers):
+        pass
+
+    def step(self, message):
+        pass
+
+    def layer_done(self, index, errors):
+        pass
+
+
+def quantize_layers(
+    model: nn.Module,
+    config: WeightQuantConfig,
+    driver: LayerDriver,
+    tokens: torch.Tensor | None,
+    sink: Callable[[str, QuantizedWeight], None],
+    *,
+    batch_size: int = 8,
+    device: torch.device | str = "cpu",
+    progress: Progress | None = None,
+) -> None:
+    """Quantize every decoder-layer linear of ``model`` in place (weights replaced by their dequantized values) and
+    hand each ``QuantizedWeight`` to ``sink(full_name, weight)`` as soon as its layer is done.
+
+    tokens: LongTensor [samples, seq_len] of calibration data; ``None`` for methods that need no activations.
+    """
+    progress = progress or _Silent()
+    layers = decoder_layers(model)
+    prefix = arch_spec(model).layers
+    check_widths(model, config)
+    inputs = None
+    if config.needs_activations:
+        if tokens is None:
+            raise ValueError(f"method {config.method!r} needs calibration tokens")
+        progress.step("capturing first-layer inputs")
+        inputs = capture_layer_inputs(model, tokens, batch_size, device)
+    progress.start(len(layers))
+    groups: list[list[str]] = []
+    for index, layer in enumerate(layers):
+        layer.to(device)
+        linears = {n: m for n, m in layer_linears(layer).items() if not _skipped(f"{prefix}.{index}.{n}", config)}
+        session = LayerSession(index, layer, inputs, config, linears)
+        if inputs is not None:
+            groups = groups or session.trace_input_groups()
+            session.groups = [kept for g in groups if (kept := [n for n in g if n in linears])]
+        with torch.no_grad():
+            results = driver(session)
+            for name, qweight in results.items():
+                linear = linears[name]
+                linear.weight.copy_(qweight.dequantize().to(linear.weight.dtype))
+                sink(f"{prefix}.{index}.{name}", qweight)
+            if inputs is not None:
+                inputs.hidden = session.forward()
+                _check_finite(inputs.hidden, index)
+        layer.to("cpu")
+        progress.layer_done(index, session.errors)
+
+
+def check_widths(model: nn.Module, config: WeightQuantConfig) -> None:
+    """Refuse, before any work, a group size that does not divide some quantized linear's input width."""
+    prefix = arch_spec(model).layers
+    for index, layer in enumerate(decoder_layers(model)):
+        for name, linear in layer_linears(layer).items():
+            full = f"{prefix}.{index}.{name}"
+            if not _skipped(full, config):
+                config.check_width(full, linear.in_features)
+
+
+def capture_layer_inputs(
+    model: nn.Module, tokens: torch.Tensor, batch_size: int, device: torch.device | str = "cpu"
+) -> LayerInputs:
+    """Run the model up to its first decoder layer for each batch of ``tokens`` and keep what that layer receives."""
+    first = decoder_layers(model)[0]
+    hidden, kwargs = [], []
+
+    def grab(module, args, kw):
+        hidden.append(args[0] if args else kw.pop("hidden_states"))
+        kwargs.append({k: v for k, v in kw.items() if k not in ("cache", "past_key_values", "past_key_value", "use_cache")})
+        raise _Stop
+
+    handle = first.register_forward_pre_hook(grab, with_kwargs=True)
+    outer = [m for name, m in model.named_children() if name != "lm_head"]
+    for m in outer:
+        m.to(device)
+    try:
+        with torch.no_grad():
+            for batch in tokens.split(batch_size):
+                try:
+                    model(input_ids=batch.to(device), use_cache=False)
+                except _Stop:
+                    pass
+    finally:
+        handle.remove()
+    _check_finite(hidden, -1)
+    return LayerInputs(hidden, kwargs)
+
+
+def _skipped(full_name: str, config: WeightQuantConfig) -> bool:
+    return any(full_name == s or full_name.endswith("." + s) for s in config.skip)
+
+
+def _layer_output(out) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _check_finite(tensors: list[torch.Tensor], index: int) -> None:
+    for t in tensors:
+        if not torch.isfinite(t).all():
+            where = "the embeddings" if index < 0 else f"decoder layer {index}"
+            raise ActivationError(
+                f"NaN or infinite activations after {where}; the model or its dtype overflows on the calibration "
+                f"data (try --dtype float32, or check the checkpoint)"
+            )

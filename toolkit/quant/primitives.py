@@ -1,0 +1,104 @@
+"""Group-wise integer quantization primitives shared by every method.
+
+The grid is the GPTQ/AutoGPTQ one (IST-DASLab/gptq ``quant.py``), which the GPTQ, AWQ and compressed-tensors
+formats can all represent:
+
+  maxq = 2^bits − 1
+  symmetric:  scale = 2·amax / maxq,           zero = 2^(bits−1)
+  asymmetric: scale = (max − min) / maxq,      zero = round(−min / scale)      (min ≤ 0 ≤ max: range widened to 0)
+  code = clamp(round(W / scale) + zero, 0, maxq);   Ŵ = scale · (code − zero)
+
+Groups run along the input dimension: column k belongs to group ``g_idx[k]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def max_code(bits: int) -> int:
+    """Largest code of a ``bits``-wide unsigned integer."""
+    return (1 << bits) - 1
+
+
+def default_g_idx(in_features: int, group_size: int, device=None) -> torch.Tensor:
+    """Group of each input column without act-order: ``k // group_size`` (all zeros for per-channel)."""
+    columns = torch.arange(in_features, dtype=torch.int32, device=device)
+    if group_size == -1:
+        return torch.zeros_like(columns)
+    return columns // group_size
+
+
+def qparams_from_range(
+    xmin: torch.Tensor, xmax: torch.Tensor, bits: int, sym: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero for ranges [xmin, xmax] (any matching shapes). Returns float scale, float zero (integral)."""
+    maxq = max_code(bits)
+    xmin = torch.minimum(xmin, torch.zeros_like(xmin))
+    xmax = torch.maximum(xmax, torch.zeros_like(xmax))
+    if sym:
+        amax = torch.maximum(xmin.abs(), xmax)
+        scale = 2 * amax / maxq
+        zero = torch.full_like(scale, float(1 << (bits - 1)))
+    else:
+        scale = (xmax - xmin) / maxq
+        zero = torch.round(-xmin / torch.where(scale == 0, torch.ones_like(scale), scale))
+    # An all-zero group: any scale reproduces it exactly; 1 keeps the scale finite in fp16.
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return scale, zero
+
+
+def group_qparams(W: torch.Tensor, bits: int, group_size: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min/max scale and zero of every (row, contiguous group) of ``W`` [N, K] → scale, zero [N, G]."""
+    N, K = W.shape
+    size = K if group_size == -1 else group_size
+    groups = W.float().reshape(N, K // size, size)  # (N, G, group_size)
+    return qparams_from_range(groups.amin(dim=-1), groups.amax(dim=-1), bits, sym)
+
+
+def quantize(
+    W: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g_idx: torch.Tensor, bits: int
+) -> torch.Tensor:
+    """Codes of ``W`` [N, K] on the grid (scale, zero) [N, G] chosen per column by ``g_idx`` [K] → uint8 [N, K]."""
+    g = g_idx.long()
+    q = torch.round(W.float() / scale[:, g]) + zero[:, g]
+    return q.clamp_(0, max_code(bits)).to(torch.uint8)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
+    """Float weights ``scale · (code − zero)`` [N, K] from codes [N, K] and per-group scale, zero [N, G]."""
+    g = g_idx.long()
+    return scale[:, g] * (codes.float() - zero[:, g])
+
+
+@dataclass
+class QuantizedWeight:
+    """The result of quantizing one linear: everything a format writer needs, in plain tensors.
+
+    codes uint8 [N, K], scale float32 [N, G], zero int32 [N, G], g_idx int32 [K], bias float [N] or None.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    g_idx: torch.Tensor
+    bits: int
+    group_size: int
+    sym: bool
+    bias: torch.Tensor | None = None
+
+    def dequantize(self) -> torch.Tensor:
+        """Float32 weight [N, K] this record stands for."""
+        return dequantize(self.codes, self.scale, self.zero.float(), self.g_idx)
+
+
+def quantize_rtn(
+    W: torch.Tensor, bits: int, group_size: int, sym: bool, bias: torch.Tensor | None = None
+) -> QuantizedWeight:
+    """Round-to-nearest on min/max ranges per group: the baseline every other method must beat."""
+    scale, zero = group_qparams(W, bits, group_size, sym)
+    g_idx = default_g_idx(W.shape[1], group_size, W.device)
+    codes = quantize(W, scale, zero, g_idx, bits)
+    return QuantizedWeight(codes, scale, zero.to(torch.int32), g_idx, bits, group_size, sym, bias)
