@@ -1,1 +1,17 @@
 """Calibration data: sources, chat rendering and packing, seeded disjoint splits."""
+
+from toolkit.calibration.render import calibration_batch, eval_windows, fingerprint, train_records
+from toolkit.calibration.sources import CalibrationError, Record, load_records
+from toolkit.calibration.splits import iter_split, split_of
+
+__all__ = [
+    "CalibrationError",
+    "Record",
+    "calibration_batch",
+    "eval_windows",
+    "fingerprint",
+    "iter_split",
+    "load_records",
+    "split_of",
+    "train_records",
+]

@@ -77,7 +77,7 @@ def load_records(source: str, text_field: str = "text") -> Iterator[Record]:
     path = Path(source).expanduser()
     if path.exists() or _looks_like_path(source):
         return _normalized(_read_file(path), source, text_field)
-    return _normalized(_read_hub(source, text_field), source, text_field)
+    return _normalized(_read_hub(source), source, text_field)
 
 
 def _looks_like_path(source: str) -> bool:
@@ -169,8 +169,7 @@ def _json_array_elements(path: Path) -> Iterator[Any]:
         if count == 0:
             raise CalibrationError(f"{path} is truncated before its first complete record; re-download it")
         warnings.warn(
-            f"{path} is truncated: it ends inside a record after {count} complete records; using those {count}",
-            stacklevel=2,
+            f"{path} is truncated: it ends inside a record after {count} complete records; using those {count}"
         )
         return
     raise CalibrationError(
@@ -204,7 +203,7 @@ def _read_txt(path: Path) -> Iterator[str]:
             yield paragraph.strip()
 
 
-def _read_hub(source: str, text_field: str) -> Iterator[Any]:
+def _read_hub(source: str) -> Iterator[Any]:
     import datasets  # heavy; only Hub sources need it
 
     name, _, config = source.partition(":")

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from toolkit.models import arch_spec, decoder_layers, layer_linears
+from toolkit.models import ArchSpec, arch_spec, decoder_layers, layer_linears
 from toolkit.quant.configs import WeightQuantConfig
 from toolkit.quant.primitives import QuantizedWeight
 
@@ -55,6 +55,7 @@ class LayerSession:
     linears: dict[str, nn.Linear]
     groups: list[list[str]] = field(default_factory=list)
     errors: dict[str, float] = field(default_factory=dict)
+    arch: ArchSpec | None = None
 
     def collect(
         self,
@@ -155,9 +156,10 @@ def quantize_layers(
     batch_size: int = 8,
     device: torch.device | str = "cpu",
     progress: Progress | None = None,
-) -> None:
+) -> dict[str, float]:
     """Quantize every decoder-layer linear of ``model`` in place (weights replaced by their dequantized values) and
-    hand each ``QuantizedWeight`` to ``sink(full_name, weight)`` as soon as its layer is done.
+    hand each ``QuantizedWeight`` to ``sink(full_name, weight)`` as soon as its layer is done. Returns each linear's
+    error as its driver measured it, by full name.
 
     tokens: LongTensor [samples, seq_len] of calibration data; ``None`` for methods that need no activations.
     """
@@ -173,10 +175,11 @@ def quantize_layers(
         inputs = capture_layer_inputs(model, tokens, batch_size, device)
     progress.start(len(layers))
     groups: list[list[str]] = []
+    errors: dict[str, float] = {}
     for index, layer in enumerate(layers):
         layer.to(device)
         linears = {n: m for n, m in layer_linears(layer).items() if not _skipped(f"{prefix}.{index}.{n}", config)}
-        session = LayerSession(index, layer, inputs, config, linears)
+        session = LayerSession(index, layer, inputs, config, linears, arch=arch_spec(model))
         if inputs is not None:
             groups = groups or session.trace_input_groups()
             session.groups = [kept for g in groups if (kept := [n for n in g if n in linears])]
@@ -190,7 +193,9 @@ def quantize_layers(
                 inputs.hidden = session.forward()
                 _check_finite(inputs.hidden, index)
         layer.to("cpu")
+        errors.update({f"{prefix}.{index}.{name}": e for name, e in session.errors.items()})
         progress.layer_done(index, session.errors)
+    return errors
 
 
 def check_widths(model: nn.Module, config: WeightQuantConfig) -> None:

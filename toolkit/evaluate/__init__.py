@@ -1,0 +1,1 @@
+"""Measuring models: perplexity on held-out tokens (more metrics grow here)."""

@@ -7,10 +7,12 @@ its config in ``toolkit.quant.configs``, never editing a dispatcher.
 from __future__ import annotations
 
 from toolkit.engine import LayerDriver
+from toolkit.methods import awq
 from toolkit.methods import rtn
 
 DRIVERS: dict[str, LayerDriver] = {
     "rtn": rtn.quantize_layer,
+    "awq": awq.quantize_layer,
 }
 
 

@@ -1,0 +1,1 @@
+"""Turning a compound artifact into a runnable model: ``QuantLinear`` and the loader."""

@@ -1,0 +1,159 @@
+"""Records to token tensors: chat-template rendering, packing into fixed-length blocks.
+
+Conversations are rendered with the tokenizer's chat template (so calibration sees the same
+``<|im_start|>assistant`` framing the model sees when served) and tokenized without adding special
+tokens again; plain texts are tokenized as they are and followed by EOS. Rendered records are
+concatenated into one stream and cut into ``[n, seq_len]`` blocks; blocks cross record boundaries,
+as in GPTQ's and AWQ's calibration loaders.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import random
+import warnings
+from collections.abc import Iterable, Iterator
+
+import torch
+from jinja2.exceptions import TemplateError
+
+from toolkit.calibration.sources import SHAREGPT, CalibrationError, Record, load_records
+from toolkit.calibration.splits import iter_split
+
+
+def calibration_batch(
+    tokenizer,
+    source: str = SHAREGPT,
+    samples: int = 128,
+    seq_len: int = 512,
+    seed: int = 0,
+    pool: int | None = None,
+    text_field: str = "text",
+) -> torch.Tensor:
+    """``samples`` blocks of ``seq_len`` tokens from the calibration split of ``source``: LongTensor [samples, seq_len].
+
+    Takes the first ``pool`` calibration records (default ``max(4 * samples, 256)``, doubled until
+    they fill ``samples * seq_len`` tokens), shuffles them with ``random.Random(seed)``, renders and
+    packs them. The same arguments give the same tensor.
+    """
+    _check_positive(samples=samples, seq_len=seq_len, pool=pool)
+    need = samples * seq_len
+    records = iter_split(load_records(source, text_field), "calibration")
+    pool = pool or max(4 * samples, 256)
+    renderer = _Renderer(tokenizer)
+    taken: list[Record] = []
+    rendered: dict[int, list[int]] = {}  # index in taken -> tokens, kept while the pool grows
+
+    def tokens_of(i: int) -> list[int]:
+        if i not in rendered:
+            rendered[i] = renderer.tokens(taken[i])
+        return rendered[i]
+
+    while True:
+        taken.extend(itertools.islice(records, pool - len(taken)))
+        order = list(range(len(taken)))
+        random.Random(seed).shuffle(order)
+        stream = (t for i in order for t in tokens_of(i))
+        tokens = list(itertools.islice(stream, need))
+        if len(tokens) == need:
+            renderer.warn_skipped(source)
+            return torch.tensor(tokens, dtype=torch.long).view(samples, seq_len)  # (samples, seq_len)
+        if len(taken) < pool:  # the split is exhausted
+            renderer.warn_skipped(source)
+            raise _too_few(source, "calibration", len(tokens), samples, seq_len, "--samples")
+        pool *= 2
+
+
+def eval_windows(
+    tokenizer,
+    source: str = SHAREGPT,
+    windows: int = 80,
+    seq_len: int = 512,
+    text_field: str = "text",
+) -> torch.Tensor:
+    """Held-out evaluation tokens: the eval split of ``source`` in file order, packed: LongTensor [windows, seq_len].
+
+    No seed and no shuffle, so every model (and every calibration seed) is scored on the same windows.
+    """
+    _check_positive(windows=windows, seq_len=seq_len)
+    need = windows * seq_len
+    renderer = _Renderer(tokenizer)
+    records = iter_split(load_records(source, text_field), "eval")
+    tokens = list(itertools.islice(renderer.stream(records), need))
+    renderer.warn_skipped(source)
+    if len(tokens) < need:
+        raise _too_few(source, "eval", len(tokens), windows, seq_len, "--windows")
+    return torch.tensor(tokens, dtype=torch.long).view(windows, seq_len)  # (windows, seq_len)
+
+
+def train_records(source: str = SHAREGPT, text_field: str = "text") -> Iterator[Record]:
+    """Records of the train split of ``source`` (conversations for chat data), for head training."""
+    return iter_split(load_records(source, text_field), "train")
+
+
+def fingerprint(tokens: torch.Tensor) -> str:
+    """sha256 hex of a token tensor, for manifests; dtype and shape are hashed too, so a reshape differs."""
+    tokens = tokens.detach().cpu().contiguous()
+    digest = hashlib.sha256(f"{tokens.dtype}{tuple(tokens.shape)}".encode())
+    digest.update(tokens.numpy().tobytes())
+    return digest.hexdigest()
+
+
+class _Renderer:
+    """Renders records to token ids, counting the conversations the chat template rejects."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.failed = 0
+        self.first_failure = ""
+
+    def stream(self, records: Iterable[Record]) -> Iterator[int]:
+        for record in records:
+            yield from self.tokens(record)
+
+    def tokens(self, record: Record) -> list[int]:
+        if record.is_conversation:
+            if not any(m["content"].strip() for m in record.messages):
+                return []
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise CalibrationError(
+                    "the tokenizer has no chat template, so conversations cannot be rendered; "
+                    "use an instruct model's tokenizer or a plain-text source"
+                )
+            try:
+                text = self.tokenizer.apply_chat_template(list(record.messages), tokenize=False)
+            except (TemplateError, ValueError) as e:  # e.g. a template that enforces user/assistant alternation
+                self.failed += 1
+                self.first_failure = self.first_failure or f"record {record.id}: {e}"
+                return []
+            # The template already wrote the special tokens (<|im_start|>, BOS where used); don't add them twice.
+            return self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+        if not record.text.strip():
+            return []
+        if self.tokenizer.eos_token_id is None:
+            raise CalibrationError("the tokenizer has no eos_token to separate documents; set tokenizer.eos_token")
+        return self.tokenizer(record.text, add_special_tokens=False, verbose=False)["input_ids"] + [
+            self.tokenizer.eos_token_id
+        ]
+
+    def warn_skipped(self, source: str) -> None:
+        if self.failed:
+            warnings.warn(
+                f"skipped {self.failed} conversation(s) of {source} that the chat template could not render "
+                f"(first: {self.first_failure})",
+                stacklevel=3,
+            )
+
+
+def _check_positive(**values: int | None) -> None:
+    for name, value in values.items():
+        if value is not None and value <= 0:
+            raise CalibrationError(f"{name} must be a positive integer, got {value}")
+
+
+def _too_few(source: str, split: str, got: int, n: int, seq_len: int, option: str) -> CalibrationError:
+    return CalibrationError(
+        f"dataset {source} gives only {got} tokens in its {split} split; "
+        f"need {option.lstrip('-')}×seq_len = {n}×{seq_len} = {n * seq_len}; lower {option} or --seq-len"
+    )

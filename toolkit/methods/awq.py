@@ -1,0 +1,200 @@
+"""AWQ layer driver: scale each group of ``ArchSpec.awq_groups`` on its block output, fold, then clip and quantize.
+
+Steps for one decoder layer (the math is ``toolkit.quant.awq``):
+  1. Subsample the calibration sequences to at most ``max_tokens`` tokens (whole sequences, so attention still sees
+     its context; chosen with ``seed`` and the layer index) and run the float layer once, keeping what every linear
+     reads and the inputs of each multi-linear group's block (``self_attn``, ``mlp``).
+  2. In the table's order, for each scaling group whose linears are all quantized: search α on the block output of
+     the float layer (attention output for q/k/v, MLP output for gate/up, the linear's own output for o and down),
+     then fold the scales into the preceding module and the group's input columns. Folding keeps the float layer's
+     outputs, so the only activations that change are the group's own input, which is divided by s in place of a
+     recollection. A linear→linear group whose widths differ (v→o under GQA) is skipped, as AutoAWQ does.
+  3. Per linear: search the clipping range (not for q/k, whose error reaches the output through softmax(q·k), which
+     a per-linear error does not measure; AutoAWQ skips them too), quantize, and record the relative output error.
+
+The folded norms and rows stay in the model (they are float parameters the checkpoint writer saves).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from toolkit.engine import LayerInputs, LayerSession
+from toolkit.quant import awq
+from toolkit.quant.primitives import QuantizedWeight
+
+# Linears left unclipped (AutoAWQ ``avoid_clipping``): matched on the last component of their path.
+NO_CLIP = ("q_proj", "k_proj")
+
+
+def quantize_layer(session: LayerSession) -> dict[str, QuantizedWeight]:
+    """Scale, clip and quantize every linear of the session's layer; report each one's relative output error."""
+    cfg, arch, layer = session.config, session.arch, session.layer
+    if arch is None:
+        raise ValueError("AWQ needs the layer's ArchSpec (session.arch); run it through toolkit.engine.quantize_layers")
+    if session.inputs is None:
+        raise ValueError("AWQ needs calibration activations; pass calibration tokens to quantize_layers")
+    calib = dataclasses.replace(
+        session, inputs=subsample_sequences(session.inputs, cfg.max_tokens, cfg.seed + session.index), errors={}
+    )
+
+    # 1. One float forward: each input group's tokens X [T, K], and the calls into each multi-linear block.
+    reader = _input_readers(session)
+    blocks = {_block_name(names) for _, names in arch.awq_groups if len(names) > 1 and _quantized(session, names)}
+    X, calls = _capture(calib, sorted(set(reader.values())), sorted(blocks))
+    tokens: dict[str, torch.Tensor] = {}  # gram_factor of X, filled when first needed
+
+    def tokens_of(name: str) -> torch.Tensor:
+        key = reader[name]
+        if key not in tokens:
+            tokens[key] = awq.gram_factor(X[key])
+        return tokens[key]
+
+    # 2. Scaling groups, in order.
+    for prev_name, names in arch.awq_groups:
+        if not _quantized(session, names):
+            continue
+        linears = [session.linears[n] for n in names]
+        if layer.get_submodule(prev_name).weight.shape[0] != linears[0].in_features:
+            continue  # e.g. v_proj → o_proj under GQA: v's rows do not line up with o's input columns
+        key = reader[names[0]]
+        if any(reader[n] != key for n in names):
+            raise ValueError(f"AWQ group {names} of this architecture does not share one input; fix ArchSpec.awq_groups")
+        if len(names) == 1:
+            R = tokens_of(names[0])
+            block = lambda ws, R=R: R @ ws[0].T  # noqa: E731 (K pseudo-tokens; bias cancels in the loss)
+        else:
+            block = _block_output(layer.get_submodule(_block_name(names)), linears, calls[_block_name(names)])
+        found = awq.search_scale(
+            [m.weight.data for m in linears], awq.activation_scale(X[key]), block,
+            cfg.bits, cfg.group_size, cfg.sym, cfg.grid,
+        )
+        fold_group(layer, prev_name, names, found.scales, arch.norm_offset)
+        X[key] = X[key] / found.scales
+        if key in tokens:
+            tokens[key] = tokens[key] / found.scales  # R·diag(s)⁻¹ factors diag(s)⁻¹·XᵀX·diag(s)⁻¹ exactly
+
+    # 3. Clip, quantize, measure.
+    results = {}
+    for name, linear in session.linears.items():
+        W = linear.weight.data.float()
+        R = tokens_of(name)
+        clip = cfg.clip and name.rsplit(".", 1)[-1] not in NO_CLIP
+        max_val = awq.search_clip(W, R, cfg.bits, cfg.group_size, cfg.sym) if clip else None
+        bias = None if linear.bias is None else linear.bias.data
+        qweight = awq.quantize_awq(W, cfg.bits, cfg.group_size, cfg.sym, max_val, bias)
+        W_hat = qweight.dequantize()
+        session.errors[name] = awq.relative_output_error(R, W, W_hat)
+        linear.weight.data.copy_(W_hat.to(linear.weight.dtype))
+        results[name] = qweight
+    return results
+
+
+def fold_group(layer: nn.Module, prev_name: str, names: tuple[str, ...], scales: torch.Tensor, norm_offset: float):
+    """Divide the output of ``prev_name`` (a norm or a linear) by ``scales`` [K] and multiply the input columns of the
+    linears ``names`` by them: the float layer computes the same function afterwards."""
+    prev = layer.get_submodule(prev_name)
+    s = scales.to(prev.weight.device)
+    bias = getattr(prev, "bias", None)
+    with torch.no_grad():
+        if isinstance(prev, nn.Linear):
+            weight, new_bias = awq.fold_scales_into_linear_rows(prev.weight.data, None if bias is None else bias.data, s)
+        else:  # a norm computing x̂·(offset + weight) (+ bias)
+            weight = awq.fold_scales_into_norm(prev.weight.data, s, norm_offset)
+            new_bias = None if bias is None else (bias.data.float() / s).to(bias.dtype)
+        prev.weight.data.copy_(weight)
+        if new_bias is not None:
+            bias.data.copy_(new_bias)
+        for name in names:
+            linear = layer.get_submodule(name)
+            linear.weight.data.copy_(awq.scale_input_columns(linear.weight.data, s))
+
+
+def subsample_sequences(inputs: LayerInputs, max_tokens: int, seed: int) -> LayerInputs:
+    """At most ``max_tokens`` tokens of whole calibration sequences (at least one), chosen with ``seed``; the keyword
+    arguments of each batch (masks, position embeddings) are cut to the kept rows where they carry a batch dimension."""
+    rows = [(b, r) for b, h in enumerate(inputs.hidden) for r in range(h.shape[0])]
+    keep = max(1, max_tokens // inputs.hidden[0].shape[1])
+    if keep >= len(rows):
+        return inputs
+    generator = torch.Generator().manual_seed(seed)
+    chosen = sorted(rows[i] for i in torch.randperm(len(rows), generator=generator)[:keep].tolist())
+    hidden, kwargs = [], []
+    for b in sorted({b for b, _ in chosen}):
+        index = torch.tensor([r for bb, r in chosen if bb == b], device=inputs.hidden[b].device)
+        hidden.append(inputs.hidden[b].index_select(0, index))
+        kwargs.append(_take_rows(inputs.kwargs[b], index, inputs.hidden[b].shape[0]))
+    return LayerInputs(hidden, kwargs)
+
+
+def _take_rows(value, index: torch.Tensor, batch: int):
+    """``value`` with every tensor whose first dimension is the batch cut to ``index`` (recursing into containers)."""
+    if isinstance(value, torch.Tensor):
+        return value.index_select(0, index.to(value.device)) if value.dim() and value.shape[0] == batch else value
+    if isinstance(value, dict):
+        return {k: _take_rows(v, index, batch) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_take_rows(v, index, batch) for v in value)
+    return value
+
+
+def _quantized(session: LayerSession, names: tuple[str, ...]) -> bool:
+    return all(n in session.linears for n in names)
+
+
+def _block_name(names: tuple[str, ...]) -> str:
+    """The module whose output a multi-linear group is judged on: its linears' common parent (self_attn, mlp)."""
+    parents = {n.rsplit(".", 1)[0] if "." in n else "" for n in names}
+    if len(parents) != 1 or "" in parents:
+        raise ValueError(f"AWQ group {names} has no common parent module to evaluate; fix ArchSpec.awq_groups")
+    return parents.pop()
+
+
+def _input_readers(session: LayerSession) -> dict[str, str]:
+    """Each linear → the first linear reading the same tensor (from the engine's traced groups)."""
+    reader = {}
+    for group in session.groups:
+        for name in group:
+            reader[name] = group[0]
+    for name in session.linears:
+        reader.setdefault(name, name)
+    return reader
+
+
+def _capture(
+    session: LayerSession, linears: list[str], blocks: list[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, list[tuple[tuple, dict]]]]:
+    """Inputs of ``linears`` as float32 [T, K] and the (args, kwargs) of every call into ``blocks``."""
+    seen: dict[str, list] = {name: [] for name in [*linears, *blocks]}
+
+    def keep(name, args, kwargs):
+        seen[name].append(args[0] if name in linears else (args, dict(kwargs)))
+
+    session.collect([*linears, *blocks], keep)
+    X = {name: torch.cat([x.reshape(-1, x.shape[-1]).float() for x in seen[name]]) for name in linears}
+    return X, {name: seen[name] for name in blocks}
+
+
+def _block_output(
+    module: nn.Module, linears: list[nn.Linear], calls: list[tuple[tuple, dict]]
+) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    """block(ws): ``module``'s output on the captured calls, flattened to [T, H], with ws in place of the linears'
+    weights (restored afterwards)."""
+
+    def block(weights: list[torch.Tensor]) -> torch.Tensor:
+        saved = [m.weight.data for m in linears]
+        try:
+            for m, w in zip(linears, weights):
+                m.weight.data = w.to(device=m.weight.device, dtype=m.weight.dtype)
+            outs = [module(*args, **kwargs) for args, kwargs in calls]
+        finally:
+            for m, w in zip(linears, saved):
+                m.weight.data = w
+        outs = [o[0] if isinstance(o, tuple) else o for o in outs]
+        return torch.cat([o.reshape(-1, o.shape[-1]).float() for o in outs])
+
+    return block
