@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -150,6 +152,7 @@ def evaluate(
     dataset: str = typer.Option("sharegpt", help="Held-out source (its eval split)."),
     windows: int = typer.Option(80, help="Held-out windows."),
     seq_len: int = typer.Option(512, help="Tokens per window."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results to this JSON file."),
 ):
     """Perplexity on the held-out split (the same windows for every model)."""
     try:
@@ -164,4 +167,8 @@ def evaluate(
     for name, result in rows:
         table.add_row(name, f"{result.perplexity:.3f}", f"{result.nll:.4f}", str(result.tokens))
     Console().print(table)
+    if json_out:
+        results = [{"model": name, **dataclasses.asdict(result)} for name, result in rows]
+        json_out.write_text(json.dumps({"dataset": dataset, "windows": windows, "seq_len": seq_len,
+                                        "results": results}, indent=2) + "\n")
 

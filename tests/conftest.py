@@ -1,0 +1,54 @@
+"""Shared fixtures. The Hub is never reachable from tests: its endpoint points at a closed local port and the
+clients run offline, set before anything imports huggingface_hub, transformers or datasets."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+os.environ["HF_ENDPOINT"] = "http://127.0.0.1:9"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from toolkit.models import embedded_gguf  # noqa: E402
+
+SMOL_VOCAB = 49152
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    """SmolLM2-135M-Instruct's tokenizer (with its chat template), read from the embedded GGUF; ~5 s, once."""
+    from transformers import AutoTokenizer
+
+    gguf = embedded_gguf("smollm2-135m")
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def tiny_config(model_type: str, hidden: int = 64, layers: int = 2, vocab: int = SMOL_VOCAB):
+    """A small random-init config of a supported family (shapes chosen so group sizes 32/64 divide every width)."""
+    from transformers import GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=256)
+    if model_type == "gemma":
+        return GemmaConfig(head_dim=hidden // 4, **common)
+    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[model_type](**common)
+
+
+def tiny_model(model_type: str = "llama", **kwargs):
+    """A seeded random-init causal LM of ``model_type`` in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config(model_type, **kwargs)).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smol_tokenizer):
+    """A tiny Llama saved as a Hugging Face directory with the SmolLM2 tokenizer (so chat templates render)."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama").save_pretrained(path)
+    smol_tokenizer.save_pretrained(path)
+    return path

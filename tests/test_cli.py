@@ -1,0 +1,57 @@
+"""The command line on a tiny local model: success path and the errors a user meets first."""
+
+import pytest
+from typer.testing import CliRunner
+
+from toolkit.cli import app
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_quantize_and_eval_tiny_model(tmp_path, tiny_llama_dir):
+    out = tmp_path / "q"
+    result = run("quantize", "--model", tiny_llama_dir, "--method", "rtn", "--group-size", "32", "--output", out)
+    assert result.exit_code == 0, result.output
+    assert "wall time" in result.output and (out / "compound.json").is_file()
+    result = run("eval", "--model", out, "--base", tiny_llama_dir, "--windows", "2", "--seq-len", "64")
+    assert result.exit_code == 0, result.output
+    assert "126" in result.output  # 2 windows × 63 predicted tokens, for each model
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--model", "/no/such/dir"], "does not exist"),
+        (["--group-size", "48"], "group_size must be one of"),
+        (["--bits", "9"], "bits must be between 2 and 8"),
+        (["--method", "hqq"], "unknown method"),
+        (["--asym"], "asymmetric GPTQ checkpoints are refused"),
+        (["--dataset", "/no/such/file.jsonl", "--method", "gptq"], "does not exist"),
+    ],
+)
+def test_bad_input_gets_a_clear_error_and_no_output(tmp_path, tiny_llama_dir, args, message):
+    out = tmp_path / "q"
+    base = ["quantize", "--model", tiny_llama_dir, "--group-size", "32", "--output", out]
+    result = run(*base, *args)
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split())
+    assert not out.exists()
+
+
+def test_group_size_not_dividing_width(tmp_path, tiny_llama_dir):
+    result = run("quantize", "--model", tiny_llama_dir, "--group-size", "128", "--output", tmp_path / "q")
+    assert result.exit_code == 2
+    assert "does not divide the input width" in " ".join(result.output.split())
+
+
+def test_existing_output_is_not_clobbered(tmp_path, tiny_llama_dir):
+    out = tmp_path / "q"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result = run("quantize", "--model", tiny_llama_dir, "--group-size", "32", "--output", out)
+    assert result.exit_code == 2 and "--overwrite" in result.output
+    assert (out / "keep.txt").read_text() == "mine"
