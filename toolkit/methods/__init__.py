@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from toolkit.engine import LayerDriver
 from toolkit.methods import awq
+from toolkit.methods import gptq
 from toolkit.methods import rtn
 
 DRIVERS: dict[str, LayerDriver] = {
     "rtn": rtn.quantize_layer,
+    "gptq": gptq.quantize_layer,
     "awq": awq.quantize_layer,
 }
 

@@ -14,8 +14,9 @@ row and column q by one step of Gaussian elimination (eq. 3). GPTQ makes this fa
     (H_F⁻¹)_{q,:} / sqrt([H_F⁻¹]_qq) that eq. 2-3 need at step q, so the eliminations are never carried out;
   * lazy batches (eq. 4): the errors of ``block_size`` columns reach the rest of W in one matmul at block end.
 
-The reported loss is Σ ½ (w − q)² / d² with d = U_qq (the reference's ``Losses``), which equals
-‖(W − Q) Xᵀ‖² / n for the dampened H: the mean over tokens of the squared output error, summed over rows.
+The reported loss is Σ ½ (w − q)² / d² with d = U_qq (the reference's ``Losses``, halved as there). It equals
+½ Σ_rows (W − Q) H (W − Q)ᵀ for the dampened H: ‖(W − Q) Xᵀ‖² / n, the mean over tokens of the squared output
+error summed over rows, plus the dampening's small share.
 
 Envelope: float32 throughout; K up to a few thousand (H is K×K); CPU or GPU. The grid is ``primitives``'s.
 """
@@ -23,6 +24,7 @@ Envelope: float32 throughout; K up to a few thousand (H is K×K); CPU or GPU. Th
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 
 import torch
 
@@ -104,7 +106,9 @@ def gptq_quantize(
         group_of_column = (perm // size).tolist()
     Hinv = _inverse_cholesky(H, damp)  # (K, K) upper: row q is (H_F⁻¹)_{q,:} / d_q at step q
     del H
-    d = Hinv.diagonal().tolist()
+    d = Hinv.diagonal().clone()  # (K,)
+    # Rows scaled to a unit diagonal: the updates then take the raw error w − q, with no division per column.
+    Hinv.div_(d[:, None])
 
     # Transposed, so that a column of W is a contiguous row: every per-column update touches contiguous memory.
     Wt = W.T.contiguous()  # (K, N)
@@ -116,31 +120,32 @@ def gptq_quantize(
     for i1 in range(0, K, block_size):
         i2 = min(i1 + block_size, K)
         W1 = Wt[i1:i2]  # (count, N) view: updated in place, column by column
-        Err1 = torch.empty_like(W1)  # (count, N) (w − q) / d of each column
+        Err1 = torch.empty_like(W1)  # (count, N) w − q of each column
         Hinv1 = Hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            j = i1 + i
-            if static:
-                g = group_of_column[j]
-                scale, zero = static_scale[g], static_zero[g]
-            elif j % size == 0:
-                # The group's weights as they stand now: this block's rows are current, later rows still owe the
-                # updates of this block's columns 0..i-1.
-                current = W1[i : i + size]
-                if j + size > i2:
-                    pending = Wt[i2 : j + size] - Hinv[i1:j, i2 : j + size].T @ Err1[:i]
-                    current = torch.cat([current, pending])  # (size, N)
-                scale, zero = _qparams(current.T, bits, sym, mse_clip)
-                scales.append(scale)
-                zeros.append(zero)
-            w, q, err = W1[i], codes_t[j], Err1[i]
-            torch.div(w, scale, out=q)
-            q.round_().add_(zero).clamp_(0, maxq)
-            torch.sub(q, zero, out=err)
-            err.mul_(scale)  # dequantized value
-            torch.sub(w, err, out=err).div_(d[j])
-            W1[i + 1 :].addr_(Hinv1[i, i + 1 :], err, alpha=-1)
-        loss += Err1.square().sum(dtype=torch.float64)
+        with _single_threaded(Wt.device):
+            for i in range(i2 - i1):
+                j = i1 + i
+                if static:
+                    g = group_of_column[j]
+                    scale, zero = static_scale[g], static_zero[g]
+                elif j % size == 0:
+                    # The group's weights as they stand now: this block's rows are current, later rows still owe the
+                    # updates of this block's columns 0..i-1.
+                    current = W1[i : i + size]
+                    if j + size > i2:
+                        pending = Wt[i2 : j + size] - Hinv[i1:j, i2 : j + size].T @ Err1[:i]
+                        current = torch.cat([current, pending])  # (size, N)
+                    scale, zero = _qparams(current.T, bits, sym, mse_clip)
+                    scales.append(scale)
+                    zeros.append(zero)
+                w, q, err = W1[i], codes_t[j], Err1[i]
+                torch.div(w, scale, out=q)
+                q.round_().add_(zero).clamp_(0, maxq)
+                torch.sub(q, zero, out=err)
+                err.mul_(scale)  # dequantized value
+                torch.sub(w, err, out=err)
+                W1[i + 1 :].addr_(Hinv1[i, i + 1 :], err, alpha=-1)
+            loss += Err1.div(d[i1:i2, None]).square_().sum(dtype=torch.float64)
         Wt[i2:].addmm_(Hinv[i1:i2, i2:].T, Err1, alpha=-1)
 
     if static:
@@ -175,6 +180,22 @@ def _qparams(groups: torch.Tensor, bits: int, sym: bool, mse_clip: bool) -> tupl
         scale = torch.where(better, s, scale)
         zero = torch.where(better, z, zero)
     return scale, zero
+
+
+@contextmanager
+def _single_threaded(device: torch.device):
+    """One intra-op thread on the CPU for the column loop: its ~10 small ops per column gain nothing from OpenMP,
+    whose fork/join stalls for milliseconds per op when the cores are shared (measured on 2 busy cores, K = 1536:
+    0.25 s single-threaded, 5-20 s with 2 threads). The block matmuls and the Cholesky stay multi-threaded."""
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:

@@ -1,0 +1,73 @@
+"""GPTQ layer driver: Hessians from what the layer's linears read on the calibration data, then
+``toolkit.quant.gptq`` on each linear.
+
+Linears that read the same tensor (q/k/v; gate/up) share one Hessian, accumulated once. With ``true_sequential``
+the groups are taken in execution order and each group's Hessian is collected after the previous groups were
+quantized and written back, so o_proj is fitted to the inputs the quantized q/k/v produce (as in the reference
+``--true-sequential``). Without it, one pass collects every Hessian from the float layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from toolkit.engine import ActivationError, LayerSession
+from toolkit.quant.gptq import HessianAccumulator, gptq_quantize
+from toolkit.quant.primitives import QuantizedWeight
+
+
+def quantize_layer(session: LayerSession) -> dict[str, QuantizedWeight]:
+    """Quantize every linear of the layer with GPTQ; ``session.errors`` gets each one's GPTQ loss."""
+    groups = session.groups
+    missing = set(session.linears) - {name for group in groups for name in group}
+    if missing:
+        raise RuntimeError(
+            f"linears {', '.join(sorted(missing))} of decoder layer {session.index} never ran on the calibration "
+            f"data, so GPTQ has no Hessian for them; add them to skip"
+        )
+    results = {}
+    if session.config.true_sequential:
+        for group in groups:
+            H = _hessians(session, [group])[group[0]]
+            results.update({name: _quantize_linear(session, name, H) for name in group})
+    else:
+        hessians = _hessians(session, groups)
+        for group in groups:
+            results.update({name: _quantize_linear(session, name, hessians[group[0]]) for name in group})
+    return results
+
+
+def _hessians(session: LayerSession, groups: list[list[str]]) -> dict[str, torch.Tensor]:
+    """One Hessian [K, K] per group of linears sharing an input, keyed by the group's first linear, in one pass."""
+    accumulators = {}
+    for group in groups:
+        weight = session.linears[group[0]].weight
+        accumulators[group[0]] = HessianAccumulator(weight.shape[1], device=weight.device)
+
+    def on_input(name: str, X: torch.Tensor) -> None:
+        if not torch.isfinite(X).all():
+            raise ActivationError(
+                f"NaN or infinite activations entering {name} of decoder layer {session.index}; the model or its "
+                f"dtype overflows on the calibration data (try --dtype float32, or check the checkpoint)"
+            )
+        accumulators[name].add(X)
+
+    session.collect_linear_inputs(accumulators, on_input)
+    for name, acc in accumulators.items():
+        if acc.tokens == 0:
+            raise RuntimeError(f"{name} of decoder layer {session.index} saw no calibration tokens")
+    return {name: acc.H for name, acc in accumulators.items()}
+
+
+def _quantize_linear(session: LayerSession, name: str, H: torch.Tensor) -> QuantizedWeight:
+    """GPTQ one linear, write its dequantized weight back at once (later groups must see it), record its loss."""
+    cfg = session.config
+    linear = session.linears[name]
+    qweight, loss = gptq_quantize(
+        linear.weight.data, H, cfg.bits, cfg.group_size, cfg.sym, damp=cfg.damp, block_size=cfg.block_size,
+        act_order=cfg.act_order, static_groups=cfg.static_groups, mse_clip=cfg.mse_clip,
+    )
+    qweight.bias = linear.bias
+    linear.weight.data.copy_(qweight.dequantize().to(linear.weight.dtype))
+    session.errors[name] = loss
+    return qweight
