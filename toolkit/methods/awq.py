@@ -63,7 +63,7 @@ def quantize_layer(session: LayerSession) -> dict[str, QuantizedWeight]:
             continue  # e.g. v_proj → o_proj under GQA: v's rows do not line up with o's input columns
         key = reader[names[0]]
         if any(reader[n] != key for n in names):
-            raise ValueError(f"AWQ group {names} of this architecture does not share one input; fix ArchSpec.awq_groups")
+            raise ValueError(f"AWQ group {names} does not share one input; fix ArchSpec.awq_groups")
         if len(names) == 1:
             R = tokens_of(names[0])
             block = lambda ws, R=R: R @ ws[0].T  # noqa: E731 (K pseudo-tokens; bias cancels in the loss)
@@ -102,7 +102,8 @@ def fold_group(layer: nn.Module, prev_name: str, names: tuple[str, ...], scales:
     bias = getattr(prev, "bias", None)
     with torch.no_grad():
         if isinstance(prev, nn.Linear):
-            weight, new_bias = awq.fold_scales_into_linear_rows(prev.weight.data, None if bias is None else bias.data, s)
+            old_bias = None if bias is None else bias.data
+            weight, new_bias = awq.fold_scales_into_linear_rows(prev.weight.data, old_bias, s)
         else:  # a norm computing x̂·(offset + weight) (+ bias)
             weight = awq.fold_scales_into_norm(prev.weight.data, s, norm_offset)
             new_bias = None if bias is None else (bias.data.float() / s).to(bias.dtype)

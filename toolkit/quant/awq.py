@@ -14,17 +14,18 @@ itself for o and down), f(W) the float block, and Q the group-wise min/max quant
 folded model's Q(W·s) applied to X·s⁻¹. The normalisation only centres s around 1 (AutoAWQ does the same); α = 0 is
 plain round-to-nearest.
 
-Clipping (§3.2, AutoAWQ ``_search_best_clip``). After scaling, per (output row, group): shrink the largest magnitude
-to max_val = amax·(1 − i/n_grid), i < max_shrink·n_grid, clamp the group to [−max_val, max_val], and keep the shrink
-with the lowest squared error of the group's partial output Σ_{k∈group} x_k·w_k over the tokens. That error is the
-quadratic form Δw_g · X_gᵀX_g · Δw_gᵀ, so it is computed through each group's Gram block: every token counts at a
-cost of N·K·group_size per shrink, with no token subsample and no [N, T, G] tensor.
+Clipping (llm-awq ``auto_clip``, AutoAWQ ``_search_best_clip``). After scaling, per (output row, group): shrink
+the largest magnitude to max_val = amax·(1 − i/n_grid), i < max_shrink·n_grid, clamp the group to [−max_val, max_val],
+and keep the shrink with the lowest squared error of the group's partial output Σ_{k∈group} x_k·w_k over the tokens.
+That error is the quadratic form Δw_g · X_gᵀX_g · Δw_gᵀ, so it is computed through each group's Gram block: every
+token counts, at a cost of N·K·group_size per shrink, with no token subsample and no [N, T, G] tensor.
 
 Folding: a norm computing x̂·(offset + w) gets w' = (offset + w)/s − offset (Gemma: offset 1); a preceding linear
 gets its output rows and bias divided by s; the group's input columns are multiplied by s.
 
 Envelope: tested in float32 on random matrices and on tiny random Llama / Gemma layers (tests/quant/test_awq.py,
-tests/methods/test_awq_driver.py); every search runs in float32 whatever the model dtype.
+tests/methods/test_awq_driver.py). Losses, Gram matrices and fake-quantized weights are float32 whatever the model
+dtype; a block passed to ``search_scale`` runs in whatever dtype its caller chooses.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.quant.primitives import QuantizedWeight, quantize_rtn
+from toolkit.quant.primitives import QuantizedWeight, max_code, qparams_from_range, quantize_rtn
 
 
 def activation_scale(X: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor:
@@ -60,9 +61,18 @@ def candidate_scales(x_mean: torch.Tensor, grid: int) -> tuple[torch.Tensor, tor
 
 
 def fake_quantize(W: torch.Tensor, bits: int, group_size: int, sym: bool) -> torch.Tensor:
-    """Q(W): W [..., N, K] rounded onto its own per-(row, group) min/max grid and dequantized, float32."""
-    flat = W.float().reshape(-1, W.shape[-1])  # (rows, K): groups run along K, so leading dims are just more rows
-    return quantize_rtn(flat, bits, group_size, sym).dequantize().reshape(W.shape)
+    """Q(W): W [..., N, K] rounded onto its own per-(row, group) min/max grid and dequantized, float32.
+
+    The same numbers as ``quantize_rtn(W).dequantize()``, computed on a [rows, G, group_size] view (no g_idx gather,
+    no uint8 round trip), since the searches call it for every candidate of every group."""
+    K = W.shape[-1]
+    size = K if group_size == -1 else group_size
+    Wg = W.float().reshape(-1, K // size, size)  # (rows, G, group_size)
+    scale, zero = qparams_from_range(Wg.amin(dim=-1), Wg.amax(dim=-1), bits, sym)  # (rows, G)
+    scale, zero = scale[..., None], zero[..., None]
+    # One allocation, then in place: code = clamp(round(W/scale) + zero), Ŵ = (code − zero)·scale.
+    out = torch.div(Wg, scale).round_().add_(zero).clamp_(0, max_code(bits)).sub_(zero).mul_(scale)
+    return out.reshape(W.shape)
 
 
 @dataclass
@@ -96,8 +106,8 @@ def search_scale(
     alphas, candidates = candidate_scales(x_mean, grid)
     losses = torch.full((grid,), float("inf"))
     for i, s in enumerate(candidates):
-        trial = [fake_quantize(W * s, bits, group_size, sym) / s for W in float_weights]
-        loss = float((block_output(trial).float() - reference).pow(2).mean())
+        trial = [fake_quantize(W * s, bits, group_size, sym).div_(s) for W in float_weights]
+        loss = float(torch.nn.functional.mse_loss(block_output(trial).float(), reference))
         if math.isfinite(loss):
             losses[i] = loss
     if not torch.isfinite(losses).any():
@@ -191,7 +201,8 @@ def relative_output_error(X: torch.Tensor, W: torch.Tensor, W_hat: torch.Tensor)
 
 
 def fold_scales_into_norm(norm_weight: torch.Tensor, scales: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
-    """Weight [K] of a norm computing x̂·(offset + w) whose output is divided by ``scales`` [K]: (offset + w)/s − offset."""
+    """Weight [K] of a norm computing x̂·(offset + w) whose output is divided by ``scales`` [K]:
+    (offset + w)/s − offset."""
     return ((offset + norm_weight.float()) / scales.float() - offset).to(norm_weight.dtype)
 
 

@@ -103,7 +103,7 @@ class AWQConfig(WeightQuantConfig):
     sym: bool = False
     grid: int = 20
     clip: bool = True
-    max_tokens: int = 8192
+    max_tokens: int = 4096
 
     method = "awq"
 

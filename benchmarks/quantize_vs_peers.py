@@ -1,0 +1,125 @@
+"""Side by side on SmolLM2-135M-Instruct, W4 g64: compound's RTN / GPTQ / AWQ / AWQ+GPTQ against GPTQModel and
+llm-compressor, on the same 128×512 ShareGPT calibration tokens and the same held-out windows.
+
+Each tool runs in its own process (peers in their own venvs, made by ``benchmarks/peers/setup.sh``) under
+``/usr/bin/time`` for wall time and peak RSS. Every result is then scored by compound's evaluator against the float
+model: perplexity, its increase, KL divergence and top-1 agreement of next-token distributions.
+
+    python benchmarks/quantize_vs_peers.py [--methods rtn,gptq,awq] [--peers gptqmodel,llmcompressor]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from report import markdown_table, update_section  # noqa: E402
+
+CACHE = ROOT / "benchmarks" / ".cache"
+VENVS = ROOT / "benchmarks" / ".venvs"
+FLOAT_DIR = CACHE / "smollm2-135m-hf"
+
+
+def timed(command: list[str], log: Path) -> tuple[float, float]:
+    """Run ``command`` under /usr/bin/time; (wall seconds, peak RSS MiB). Output goes to ``log``."""
+    stats = log.with_suffix(".time")
+    with open(log, "w") as out:
+        subprocess.run(["/usr/bin/time", "-f", "%e %M", "-o", str(stats), *command], stdout=out,
+                       stderr=subprocess.STDOUT, check=True, cwd=ROOT)
+    seconds, kib = stats.read_text().split()[-2:]
+    return float(seconds), int(kib) / 1024
+
+
+def run_compound(method: str, args, runs: Path) -> tuple[Path, float, float]:
+    out = runs / f"compound-{method}"
+    command = ["compound", "quantize", "--model", "smollm2-135m", "--method", method,
+               "--bits", "4", "--group-size", "64", "--samples", str(args.samples), "--seq-len", str(args.seq_len),
+               "--output", str(out), "--overwrite"]
+    if method == "rtn":
+        command.append("--sym")
+    seconds, rss = timed(command, runs / f"compound-{method}.log")
+    return out, seconds, rss
+
+
+def run_peer(peer: str, method: str, calib: Path, runs: Path) -> tuple[Path, float, float]:
+    out = runs / f"{peer}-{method}"
+    python = VENVS / peer / "bin" / "python"
+    command = [str(python), str(ROOT / "benchmarks" / "peers" / f"run_{peer}.py"), "--model", str(FLOAT_DIR),
+               "--calib", str(calib), "--method", method, "--bits", "4", "--group-size", "64", "--out", str(out)]
+    seconds, rss = timed(command, runs / f"{peer}-{method}.log")
+    return out / "dequantized", seconds, rss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", default="rtn,gptq,awq")
+    parser.add_argument("--peers", default="gptqmodel,llmcompressor")
+    parser.add_argument("--samples", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--windows", type=int, default=80)
+    parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    args = parser.parse_args()
+
+    from toolkit.calibration import calibration_batch, eval_windows
+    from toolkit.evaluate.divergence import divergence
+    from toolkit.models import load_model, load_tokenizer
+    from toolkit.runtime.load import load_quantized
+
+    runs = CACHE / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer("smollm2-135m")
+    calib = CACHE / f"calib_{args.samples}x{args.seq_len}.pt"
+    torch.save(calibration_batch(tokenizer, "sharegpt", args.samples, args.seq_len, seed=0), calib)
+    if not FLOAT_DIR.exists():
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers" / "export_float.py")], check=True, cwd=ROOT)
+
+    results = []  # (tool, method, model dir, loader, seconds, rss)
+    for method in args.methods.split(","):
+        out, seconds, rss = run_compound(method, args, runs)
+        results.append(("compound", method, out, load_quantized, seconds, rss))
+    for peer in filter(None, args.peers.split(",")):
+        for method in ("gptq", "awq"):
+            if method not in args.methods.split(","):
+                continue
+            if not (VENVS / peer / "bin" / "python").exists():
+                print(f"skipping {peer}: run benchmarks/peers/setup.sh first", file=sys.stderr)
+                continue
+            try:
+                out, seconds, rss = run_peer(peer, method, calib, runs)
+            except subprocess.CalledProcessError:
+                print(f"{peer} {method} failed; see {runs / f'{peer}-{method}.log'}", file=sys.stderr)
+                continue
+            results.append((peer, method, out, lambda d: (load_model(str(d)), None), seconds, rss))
+
+    windows = eval_windows(tokenizer, "sharegpt", args.windows, args.seq_len)
+    base = load_model("smollm2-135m")
+    rows, raw = [], []
+    for tool, method, out, loader, seconds, rss in results:
+        model = loader(out)[0]
+        d = divergence(model, base, windows)
+        del model
+        raw.append({"tool": tool, "method": method, "seconds": seconds, "peak_rss_mib": rss, **vars(d)})
+        rows.append([tool, method, f"{seconds:.0f}", f"{rss:.0f}", f"{d.perplexity:.3f}",
+                     f"+{d.perplexity - d.base_perplexity:.3f}", f"{d.kl:.4f}", f"{100 * d.top1_agreement:.1f}%"])
+    columns = ["tool", "method", "wall s", "peak RSS MiB", "perplexity", "Δ vs float", "KL (nats)", "top-1 agree"]
+    table = markdown_table(columns, rows)
+    base_ppl = raw[0]["base_perplexity"] if raw else float("nan")
+    body = (f"Command: `python benchmarks/quantize_vs_peers.py --methods {args.methods} --peers {args.peers}`\n\n"
+            f"SmolLM2-135M-Instruct, W4 g64, {args.samples}×{args.seq_len} ShareGPT calibration tokens (the same file "
+            f"for every tool), {args.windows}×{args.seq_len} held-out windows ({raw[0]['tokens'] if raw else 0} "
+            f"scored tokens); float perplexity {base_ppl:.3f}. 2 CPU threads each.\n\n{table}")
+    print(body)
+    (CACHE / "quantize_vs_peers.json").write_text(json.dumps(raw, indent=2))
+    if not args.no_write:
+        update_section("Quantization vs peers", body)
+
+
+if __name__ == "__main__":
+    main()
