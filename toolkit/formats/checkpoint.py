@@ -62,6 +62,8 @@ def export_config(model: nn.Module, dtype: torch.dtype, quantization_config: dic
     config = model.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
         config.pop(key, None)
+    if not config.get("architectures"):  # GGUF-loaded configs carry none; engines resolve the model class from it
+        config["architectures"] = [type(model).__name__]
     dtype_name = str(dtype).removeprefix("torch.")
     config["torch_dtype"] = dtype_name
     config["dtype"] = dtype_name
