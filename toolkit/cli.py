@@ -35,8 +35,9 @@ class _RichProgress:
             self.progress.update(self.task, description=message)
 
     def layer_done(self, index, errors):
-        worst = max(errors.values(), default=0.0)
-        self.progress.update(self.task, advance=1, description=f"layer {index} done (max error {worst:.4f})")
+        worst_name, worst = max(errors.items(), key=lambda item: item[1], default=("-", 0.0))
+        self.progress.console.log(f"layer {index}: {len(errors)} linears, largest error {worst:.4g} ({worst_name})")
+        self.progress.update(self.task, advance=1, description=f"layer {index} done")
 
 
 def _progress() -> Progress:
@@ -102,7 +103,7 @@ def quantize(
     samples: int = typer.Option(128, help="Calibration sequences."),
     seq_len: int = typer.Option(512, help="Tokens per calibration sequence."),
     seed: int = typer.Option(0, help="Seed for calibration sampling and any random choice."),
-    fmt: str = typer.Option("gptq", "--format", help="Checkpoint layout."),
+    fmt: str = typer.Option("gptq", "--format", help="Checkpoint layout: gptq | awq (4-bit) | compressed-tensors (4 or 8 bits)."),
     dtype: str = typer.Option("float16", help="dtype of unquantized tensors and scales: float16 | bfloat16."),
     skip: list[str] = typer.Option(["lm_head"], help="Module names (or suffixes) left unquantized; repeatable."),
     damp: Optional[float] = typer.Option(None, help="GPTQ: dampening relative to the mean Hessian diagonal."),
