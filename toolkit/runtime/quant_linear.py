@@ -1,4 +1,9 @@
-"""``QuantLinear``: a linear layer that holds packed integer weights and runs from them.
+"""``QuantLinear``: a linear layer that holds one checkpoint format's packed integer weights and runs from them.
+
+The buffers are the format's tensors under their on-disk suffixes (GPTQ ``qweight``/``qzeros``/``scales``/``g_idx``,
+AWQ ``qweight``/``qzeros``/``scales``, compressed-tensors ``weight_packed``/``weight_scale``/``weight_shape``
+[/``weight_zero_point``]), so a checkpoint's state dict loads without renaming. ``layout`` is the format module
+(``toolkit.formats.gptq`` / ``awq`` / ``compressed_tensors``) that knows how to read them.
 
 The reference path unpacks the codes and multiplies in float (dequantize-then-matmul): the oracle every faster
 path is tested against.
@@ -6,33 +11,45 @@ path is tested against.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import nn
 
-from toolkit.formats import gptq
-
 
 class QuantLinear(nn.Module):
-    """A GPTQ-layout W4A16 (or other bit width) linear: buffers qweight, qzeros, scales, g_idx [, bias]."""
+    """A weight-only quantized linear: ``packed`` tensors of ``layout``'s format [, bias], ``y = x Ŵᵀ + b``.
 
-    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int, bias: bool = False):
+    packed: {suffix: tensor} as the format writes them (placeholders of the right shape and dtype are enough; a
+    ``load_state_dict(..., assign=True)`` then fills them).
+    """
+
+    def __init__(
+        self,
+        layout: ModuleType,
+        in_features: int,
+        out_features: int,
+        bits: int,
+        group_size: int,
+        packed: dict[str, torch.Tensor],
+        bias: torch.Tensor | None = None,
+    ):
         super().__init__()
+        self.layout = layout
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group_size = bits, group_size
-        groups = 1 if group_size == -1 else in_features // group_size
-        self.register_buffer("qweight", torch.zeros(in_features * bits // 32, out_features, dtype=torch.int32))
-        self.register_buffer("qzeros", torch.zeros(groups, out_features * bits // 32, dtype=torch.int32))
-        self.register_buffer("scales", torch.zeros(groups, out_features, dtype=torch.float16))
-        self.register_buffer("g_idx", torch.zeros(in_features, dtype=torch.int32))
-        self.register_buffer("bias", torch.zeros(out_features, dtype=torch.float16) if bias else None)
+        self.suffixes = tuple(packed)
+        for suffix, tensor in packed.items():
+            self.register_buffer(suffix, tensor)
+        self.register_buffer("bias", bias)
 
     def packed(self) -> dict[str, torch.Tensor]:
         """The packed tensors by suffix, as the format module reads them."""
-        return {"qweight": self.qweight, "qzeros": self.qzeros, "scales": self.scales, "g_idx": self.g_idx}
+        return {suffix: getattr(self, suffix) for suffix in self.suffixes}
 
     def dequantized_weight(self) -> torch.Tensor:
         """Float32 weight [N, K]."""
-        return gptq.dequantize(self.packed(), self.bits)
+        return self.layout.dequantize(self.packed(), self.bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         W = self.dequantized_weight().to(x.dtype)
@@ -40,4 +57,5 @@ class QuantLinear(nn.Module):
         return nn.functional.linear(x, W, bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, group_size={self.group_size}"
+        return (f"layout={self.layout.NAME}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"bits={self.bits}, group_size={self.group_size}")
