@@ -1,0 +1,235 @@
+"""W4A16 kernel benchmarks against dense matmul, for the linear shapes of SmolLM2-135M, Llama-3-8B and Llama-3-70B.
+
+CPU: torch's int4 mm (``toolkit.runtime.cpu_int4``, bf16 compute) vs fp32 and bf16 ``torch.matmul``.
+CUDA (when present): the Triton GPTQ / AWQ / compressed-tensors kernels vs fp16 ``torch.matmul``, with the fraction
+of the GPU's peak memory bandwidth each reaches.
+
+Time is the median per call over ``--repeats`` calls after warm-up. Effective bandwidth = (bytes of the weight as the
+path stores it + bytes of x) / time: packed codes + scales + zeros for int4, the dense matrix otherwise. At M ≤ 16
+a linear is memory-bound, so bandwidth, not FLOP/s, is the figure of merit. On a shared, oversubscribed CPU pass
+``--threads 1``: a multi-threaded op waits for its slowest thread, which the scheduler may park for a whole time
+slice (2 threads at load 14 on 2 cores put a ~20 ms floor under every call).
+
+    python benchmarks/kernels.py                       # all models, M = 1 and 16, print the table
+    python benchmarks/kernels.py --models smollm2-135m --m 1 512 --threads 1
+    python benchmarks/kernels.py --write BENCHMARKS.md  # also replace the "## Kernels" section of that file
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from toolkit.runtime.cpu_int4 import int4_mm_cpu, prepare_int4_cpu
+
+# (linear, in_features K, out_features N); q/o and k/v and gate/up share shapes.
+SHAPES = {
+    "smollm2-135m": [("q/o_proj", 576, 576), ("k/v_proj", 576, 192), ("gate/up_proj", 576, 1536), ("down_proj", 1536, 576)],
+    "llama-3-8b": [("q/o_proj", 4096, 4096), ("k/v_proj", 4096, 1024), ("gate/up_proj", 4096, 14336),
+                   ("down_proj", 14336, 4096)],
+    "llama-3-70b": [("q/o_proj", 8192, 8192), ("k/v_proj", 8192, 1024), ("gate/up_proj", 8192, 28672),
+                    ("down_proj", 28672, 8192)],
+}
+# Peak HBM bandwidth by device name (vendor datasheets, GB/s); others fall back to a measured device-to-device copy.
+PEAK_GBPS = {"H200": 4800, "H100 SXM": 3350, "H100 PCIe": 2000, "H100": 3350, "A100-SXM4-80GB": 2039,
+             "A100 80GB PCIe": 1935, "A100": 1555, "L40S": 864, "L4": 300, "A10G": 600, "RTX 4090": 1008}
+
+
+def group_size_for(K: int) -> int:
+    """128, the common checkpoint choice, where it divides K; else 64 (SmolLM2's 576 = 9 · 64)."""
+    return 128 if K % 128 == 0 else 64
+
+
+def median_seconds(fn, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _random_quantized(N: int, K: int, group_size: int, gen: torch.Generator):
+    """Codes uint8 [N, K], scale [N, G], zero [N, G]: speed does not depend on the values."""
+    G = K // group_size
+    codes = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.uint8)
+    scale = 0.01 + 0.01 * torch.rand(N, G, generator=gen)
+    zero = torch.randint(1, 16, (N, G), generator=gen, dtype=torch.int32)
+    return codes, scale, zero
+
+
+# ---- CPU --------------------------------------------------------------------------------------------------------
+
+
+def bench_cpu(models: list[str], ms: list[int], repeats: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for model in models:
+        for linear, K, N in SHAPES[model]:
+            group_size = group_size_for(K)
+            codes, scale, zero = _random_quantized(N, K, group_size, gen)
+            handle = prepare_int4_cpu(codes, scale, zero, group_size)
+            int4_bytes = handle.packed.numel() + handle.scale_and_zero_for(torch.bfloat16).numel() * 2
+            del codes
+            W = torch.randn(N, K, generator=gen)  # (N, K) fp32
+            W_bf16 = W.bfloat16()
+            for M in ms:
+                x = torch.randn(M, K, generator=gen)
+                x_bf16 = x.bfloat16()
+                t_fp32 = median_seconds(lambda: x @ W.t(), repeats)
+                t_bf16 = median_seconds(lambda: x_bf16 @ W_bf16.t(), repeats)
+                t_int4 = median_seconds(lambda: int4_mm_cpu(x_bf16, handle), repeats)
+                rows.append({
+                    "model": model, "linear": linear, "K": K, "N": N, "M": M, "group_size": group_size,
+                    "fp32_us": t_fp32 * 1e6, "bf16_us": t_bf16 * 1e6, "int4_us": t_int4 * 1e6,
+                    "fp32_gbps": (W.numel() * 4 + x.numel() * 4) / t_fp32 / 1e9,
+                    "bf16_gbps": (W.numel() * 2 + x.numel() * 2) / t_bf16 / 1e9,
+                    "int4_gbps": (int4_bytes + x.numel() * 2) / t_int4 / 1e9,
+                })
+                print(_cpu_line(rows[-1]), flush=True)
+            del W, W_bf16, handle
+    return rows
+
+
+def _cpu_line(r: dict) -> str:
+    return (f"| {r['model']} | {r['linear']} | {r['K']}→{r['N']} | {r['M']} | {r['fp32_us']:.0f} | {r['bf16_us']:.0f} | "
+            f"{r['int4_us']:.0f} | {r['fp32_us'] / r['int4_us']:.2f}× | {r['bf16_us'] / r['int4_us']:.2f}× | "
+            f"{r['fp32_gbps']:.1f} / {r['bf16_gbps']:.1f} / {r['int4_gbps']:.1f} |")
+
+
+def cpu_markdown(rows: list[dict], threads: int, load: tuple[float, float, float]) -> str:
+    header = [
+        f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{threads} thread(s), load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} during the run "
+        "(shared with other processes: treat small differences as noise). int4 = torch's "
+        "`_weight_int4pack_mm_for_cpu` on bf16 activations (its fp32/fp16 paths are a scalar fallback, 50–300× slower). "
+        "Group size 128, or 64 where 128 does not divide K. Bandwidth = (weight bytes as stored + x bytes) / time.",
+        "",
+        "| model | linear | K→N | M | fp32 mm µs | bf16 mm µs | int4 µs | int4 vs fp32 | int4 vs bf16 | GB/s fp32 / bf16 / int4 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    return "\n".join(header + [_cpu_line(r) for r in rows])
+
+
+# ---- CUDA -------------------------------------------------------------------------------------------------------
+
+
+def _peak_gbps() -> tuple[float, str]:
+    name = torch.cuda.get_device_name()
+    for key, gbps in PEAK_GBPS.items():
+        if key in name:
+            return gbps, f"{name} datasheet"
+    src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    import triton.testing
+
+    ms = triton.testing.do_bench(lambda: dst.copy_(src))
+    return 2 * src.numel() / ms / 1e6, f"{name} measured copy"
+
+
+def bench_cuda(models: list[str], ms: list[int], peak: float) -> list[dict]:
+    import triton.testing
+
+    from toolkit.kernels import reference as R
+    from toolkit.kernels.w4a16_awq import awq_w4a16
+    from toolkit.kernels.w4a16_ct import ct_w4a16
+    from toolkit.kernels.w4a16_gptq import gptq_w4a16
+
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for model in models:
+        for linear, K, N in SHAPES[model]:
+            group_size = group_size_for(K)
+            codes, scale, zero = _random_quantized(N, K, group_size, gen)
+            g_idx = torch.arange(K, dtype=torch.int32) // group_size
+            gptq = {k: v.cuda() for k, v in R.pack_gptq(codes, scale, zero, g_idx).items()}
+            awq = {k: v.cuda() for k, v in R.pack_awq(codes, scale, zero).items()}
+            ct = {k: v.cuda() for k, v in R.pack_ct(codes, scale, None).items()}
+            W = torch.randn(N, K, device="cuda", dtype=torch.float16)
+            packed_bytes = N * K // 2 + scale.numel() * 2 + zero.numel() // 2
+            for M in ms:
+                x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+                runs = {
+                    "fp16 mm": (lambda: x @ W.t(), W.numel() * 2),
+                    "gptq": (lambda: gptq_w4a16(x, gptq["qweight"], gptq["qzeros"], gptq["scales"], gptq["g_idx"],
+                                                group_size), packed_bytes),
+                    "awq": (lambda: awq_w4a16(x, awq["qweight"], awq["qzeros"], awq["scales"], group_size), packed_bytes),
+                    "ct": (lambda: ct_w4a16(x, ct["weight_packed"], ct["weight_scale"], group_size), packed_bytes),
+                }
+                row = {"model": model, "linear": linear, "K": K, "N": N, "M": M}
+                for name, (fn, weight_bytes) in runs.items():
+                    t_ms = triton.testing.do_bench(fn, return_mode="median")
+                    row[name] = (t_ms * 1e3, (weight_bytes + x.numel() * 2) / t_ms / 1e6 / peak)
+                rows.append(row)
+                print(_cuda_line(row), flush=True)
+    return rows
+
+
+def _cuda_line(r: dict) -> str:
+    cells = " | ".join(f"{r[name][0]:.1f} ({100 * r[name][1]:.0f}%)" for name in ("fp16 mm", "gptq", "awq", "ct"))
+    return f"| {r['model']} | {r['linear']} | {r['K']}→{r['N']} | {r['M']} | {cells} |"
+
+
+def cuda_markdown(rows: list[dict], peak: float, source: str) -> str:
+    return "\n".join([
+        f"GPU: peak bandwidth {peak:.0f} GB/s ({source}). Cells: µs per call (fraction of peak bandwidth); "
+        "fp16 activations, group size 128 (64 where 128 does not divide K).",
+        "",
+        "| model | linear | K→N | M | fp16 mm | Triton GPTQ | Triton AWQ | Triton CT |",
+        "|---|---|---|---|---|---|---|---|",
+        *[_cuda_line(r) for r in rows],
+    ])
+
+
+# ---- BENCHMARKS.md ----------------------------------------------------------------------------------------------
+
+
+def write_section(markdown: str, path: str | Path = "BENCHMARKS.md", heading: str = "## Kernels") -> None:
+    """Replace the ``heading`` section of ``path`` (up to the next ``## `` heading) with ``markdown``, or append it;
+    every other section is left as it is."""
+    path = Path(path)
+    lines = path.read_text().splitlines() if path.exists() else []
+    section = [heading, "", *markdown.splitlines(), ""]
+    if heading in lines:
+        start = lines.index(heading)
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        lines[start:end] = section
+    else:
+        lines += ([""] if lines and lines[-1] else []) + section
+    path.write_text("\n".join(lines).rstrip("\n") + "\n")
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--m", nargs="+", type=int, default=[1, 16], help="rows of x (tokens per call)")
+    parser.add_argument("--repeats", type=int, default=9, help="timed calls per measurement (median reported)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--write", metavar="PATH", help="replace the '## Kernels' section of this markdown file")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    parts = []
+    rows = bench_cpu(args.models, args.m, args.repeats)
+    parts.append(cpu_markdown(rows, torch.get_num_threads(), os.getloadavg()))
+    if torch.cuda.is_available():
+        peak, source = _peak_gbps()
+        parts.append(cuda_markdown(bench_cuda(args.models, args.m, peak), peak, source))
+    markdown = "\n\n".join(parts)
+    print(markdown)
+    if args.write:
+        write_section(markdown, args.write)
+    return markdown
+
+
+if __name__ == "__main__":
+    main()
