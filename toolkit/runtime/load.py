@@ -81,15 +81,17 @@ def _scheme(directory: Path, quant: dict) -> _Scheme:
     """Layout and numerics from a ``quantization_config``, refusing variants whose tensors would decode wrong."""
     method = quant.get("quant_method")
     if method not in LAYOUTS:
-        raise CheckpointError(f"{directory}: quant_method {method!r} is not supported; expected one of {', '.join(LAYOUTS)}")
+        raise CheckpointError(f"{directory}: quant_method {method!r} is not supported; "
+                              f"expected one of {', '.join(LAYOUTS)}")
     if method == "gptq":
         if quant.get("checkpoint_format", "gptq") != "gptq":
-            raise CheckpointError(f"{directory}: GPTQ checkpoint_format {quant['checkpoint_format']!r} is not supported; "
-                                  "only v1 zeros (checkpoint_format 'gptq') are read")
+            raise CheckpointError(f"{directory}: GPTQ checkpoint_format {quant['checkpoint_format']!r} is not "
+                                  "supported; only v1 zeros (checkpoint_format 'gptq') are read")
         return _Scheme(gptq, quant["bits"], quant["group_size"], gptq.SUFFIXES)
     if method == "awq":
         if str(quant.get("version", "gemm")).lower() != "gemm":
-            raise CheckpointError(f"{directory}: AWQ version {quant['version']!r} is not supported; only the GEMM layout is read")
+            raise CheckpointError(f"{directory}: AWQ version {quant['version']!r} is not supported; "
+                                  "only the GEMM layout is read")
         bits = quant.get("bits", quant.get("w_bit"))
         group_size = quant.get("group_size", quant.get("q_group_size"))
         return _Scheme(awq, bits, group_size, awq.SUFFIXES)

@@ -1,0 +1,229 @@
+"""A compact decoder forward for the Llama family, with a static KV cache and tree attention.
+
+In the spirit of gpt-fast's ``model.py``: one readable forward, but built *over* a loaded transformers model. Every
+linear is called as the model's own module (so a ``QuantLinear`` or any module with ``forward(x)`` just works) and every
+norm weight and the embedding are the model's tensors, shared and never copied. What this adds is what serving needs
+and ``transformers`` does not expose simply: a preallocated KV cache (``toolkit.decode.kv_cache``), a forward over a
+*tree* of candidate tokens (each node attends to the cached prefix and its own ancestors, at position
+``start + depth``), and cache compaction to the accepted path (SpecInfer, arXiv 2305.09781 §4; Medusa, 2401.10774 §2.3).
+
+Families differ only by data (``_FAMILIES``), and everything else is read from the config:
+
+| model_type | differs from Llama                                                                          |
+|------------|---------------------------------------------------------------------------------------------|
+| llama      | (the reference) RMSNorm ``w · x̂``, SiLU-gated MLP, RoPE over the whole head                |
+| mistral    | a sliding attention window when ``config.sliding_window`` is set                            |
+| qwen2      | q/k/v biases (inside the linears); a window only on ``sliding_attention`` layers            |
+| qwen3      | per-head RMSNorm of q and k before RoPE                                                     |
+| gemma      | RMSNorm ``(1 + w) · x̂``, embeddings × sqrt(hidden_size), gelu-tanh MLP, explicit head_dim |
+
+RoPE: the static frequency schemes (default, linear, llama3, yarn) are read from the model's rotary module; schemes
+whose frequencies change with the sequence length (dynamic NTK, longrope) are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from toolkit.decode.kv_cache import KVCache
+
+
+class DecodeError(ValueError):
+    """A model, cache or input the decoder cannot serve; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class _Family:
+    norm_offset: float = 0.0  # RMSNorm multiplies by (norm_offset + weight), computed in float32 when nonzero (Gemma)
+    embed_scale: bool = False  # embeddings × sqrt(hidden_size) (Gemma)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+
+
+_FAMILIES = {
+    "llama": _Family(),
+    "mistral": _Family(),
+    "qwen2": _Family(),
+    "qwen3": _Family(qk_norm=True),
+    "gemma": _Family(norm_offset=1.0, embed_scale=True),
+}
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass
+class _Layer:
+    """One decoder layer: the model's own modules and tensors, plus its attention window (None = full)."""
+
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    q_proj: nn.Module
+    k_proj: nn.Module
+    v_proj: nn.Module
+    o_proj: nn.Module
+    gate_proj: nn.Module
+    up_proj: nn.Module
+    down_proj: nn.Module
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    window: int | None
+
+
+class Decoder:
+    """The forward of a supported causal LM over a static KV cache; build it with ``Decoder.from_model``."""
+
+    def __init__(self, model: nn.Module, max_len: int, kv_dtype: torch.dtype | None = None,
+                 kv_scales: torch.Tensor | None = None):
+        config = model.config
+        if config.model_type not in _FAMILIES:
+            raise DecodeError(f"toolkit.decode does not support model_type {config.model_type!r}; "
+                              f"it decodes {', '.join(sorted(_FAMILIES))}")
+        self.config, self.family = config, _FAMILIES[config.model_type]
+        base = model.model
+        self.embed = base.embed_tokens.weight
+        self.norm = base.norm.weight
+        self.lm_head = model.get_output_embeddings()
+        self.eps = config.rms_norm_eps
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = getattr(config, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+        from transformers.activations import ACT2FN
+
+        self.act = ACT2FN[config.hidden_act]
+        self.embed_scale = (torch.tensor(config.hidden_size**0.5, dtype=self.dtype).item()
+                            if self.family.embed_scale else 1.0)
+        layer_types = getattr(config, "layer_types", None)
+        self.layers = []
+        for i, layer in enumerate(base.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            sliding = layer_types is None or layer_types[i] == "sliding_attention"
+            window = getattr(config, "sliding_window", None) if sliding else None
+            self.layers.append(_Layer(
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj,
+                attn.q_norm.weight if self.family.qk_norm else None,
+                attn.k_norm.weight if self.family.qk_norm else None,
+                window,
+            ))
+        self.inv_freq, self.attention_scaling = _rope_frequencies(model)
+        self.setup_cache(max_len, kv_dtype, kv_scales)
+
+    @classmethod
+    def from_model(cls, model: nn.Module, max_len: int, kv_dtype: torch.dtype | None = None,
+                   kv_scales: torch.Tensor | None = None) -> Decoder:
+        """A decoder sharing ``model``'s modules and tensors, with a cache of ``max_len`` tokens.
+
+        kv_dtype: None (the model dtype), a float dtype, or ``torch.int8``. kv_scales: [layers, 2] static INT8 scales
+        (k, v) per layer; None computes them per token and head.
+        """
+        return cls(model, max_len, kv_dtype, kv_scales)
+
+    def setup_cache(self, max_len: int, kv_dtype: torch.dtype | None = None,
+                    kv_scales: torch.Tensor | None = None) -> None:
+        """(Re)allocate the KV cache and the RoPE table; call between runs to change capacity or cache dtype."""
+        self.max_len = max_len
+        self.cache = KVCache(len(self.layers), self.n_kv_heads, max_len, self.head_dim, self.dtype, kv_dtype,
+                             kv_scales, self.device)
+        freqs = torch.outer(torch.arange(max_len, device=self.device).float(), self.inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)  # (max_len, head_dim): the rotate-half layout of HF checkpoints
+        self.cos = (emb.cos() * self.attention_scaling).to(self.dtype)
+        self.sin = (emb.sin() * self.attention_scaling).to(self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, start: int, depth: torch.Tensor | None = None,
+                tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``tokens`` [T] written at cache slots [start, start + T); return (logits [T, vocab], hidden [T, D]).
+
+        Slots [0, start) must hold the prefix, with slot i at position i. Without a tree (``depth`` and ``tree_mask``
+        None) the tokens are a causal chain at positions start + 0..T-1: prefill and single-token decode. With a tree,
+        token j sits at position ``start + depth[j]`` and attends to the prefix and to the tokens i where
+        ``tree_mask[j, i]`` (its ancestors and itself). ``hidden`` is the final-norm output that ``lm_head`` reads.
+        """
+        T = tokens.shape[0]
+        end = start + T
+        if end > self.max_len:
+            raise DecodeError(f"{end} tokens do not fit the cache of max_len={self.max_len}; "
+                              f"rebuild with Decoder.from_model(model, max_len>={end})")
+        offsets = torch.arange(T, device=self.device) if depth is None else depth.to(self.device)
+        positions = start + offsets
+        cos, sin = self.cos[positions], self.sin[positions]  # (T, head_dim)
+        masks = {w: self._mask(start, positions, tree_mask, w) for w in {layer.window for layer in self.layers}}
+
+        x = F.embedding(tokens.to(self.device), self.embed)  # (T, D)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(i, layer, self._rms_norm(x, layer.attn_norm), start, cos, sin, masks[layer.window])
+            h = self._rms_norm(x, layer.mlp_norm)
+            x = x + layer.down_proj(self.act(layer.gate_proj(h)) * layer.up_proj(h))
+        hidden = self._rms_norm(x, self.norm)
+        return self.lm_head(hidden), hidden
+
+    __call__ = forward
+
+    def _attention(self, i: int, layer: _Layer, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+        T = x.shape[0]
+        q = layer.q_proj(x).view(T, self.n_heads, self.head_dim)
+        k = layer.k_proj(x).view(T, self.n_kv_heads, self.head_dim)
+        v = layer.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
+        if self.family.qk_norm:
+            q, k = self._rms_norm(q, layer.q_norm), self._rms_norm(k, layer.k_norm)
+        q = _rope(q.transpose(0, 1), cos, sin).unsqueeze(0)  # (1, H, T, hd)
+        k = _rope(k.transpose(0, 1), cos, sin).unsqueeze(0)  # (1, KVH, T, hd)
+        v = v.transpose(0, 1).unsqueeze(0)  # (1, KVH, T, hd)
+        self.cache.write(i, start, k, v)
+        k, v = self.cache.read(i, start + T)  # (1, KVH, start + T, hd)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5,
+                                             enable_gqa=self.n_kv_heads != self.n_heads)  # (1, H, T, hd)
+        return layer.o_proj(out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
+
+    def _mask(self, start: int, positions: torch.Tensor, tree_mask: torch.Tensor | None,
+              window: int | None) -> torch.Tensor | None:
+        """Boolean [T, start + T] attention mask (True = attend), or None when every query sees every key."""
+        T = positions.shape[0]
+        if tree_mask is None and T == 1 and (window is None or start < window):
+            return None
+        own = (torch.ones(T, T, dtype=torch.bool, device=self.device).tril() if tree_mask is None
+               else tree_mask.to(self.device, torch.bool))
+        mask = torch.cat([torch.ones(T, start, dtype=torch.bool, device=self.device), own], dim=1)
+        if window is not None:
+            key_positions = torch.cat([torch.arange(start, device=self.device), positions])
+            mask &= (positions[:, None] - key_positions[None, :]) < window
+        return mask
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # in float32 as the checkpoints were trained; Llama casts back before the weight, Gemma after (HF PR 29402)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.family.norm_offset:
+            return (x32 * (self.family.norm_offset + weight.float())).to(x.dtype)
+        return weight * x32.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [heads, T, head_dim] in the rotate-half layout; cos, sin [T, head_dim]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _rope_frequencies(model: nn.Module) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2], attention_scaling) of a static RoPE scheme, taken from the model's rotary module."""
+    config = model.config
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in _STATIC_ROPE:
+        raise DecodeError(f"RoPE type {rope_type!r} is not supported by toolkit.decode: its frequencies change with "
+                          f"the sequence length; supported types are {', '.join(_STATIC_ROPE)}")
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise DecodeError(f"partial_rotary_factor={partial} is not supported by toolkit.decode (RoPE over the whole "
+                          "head only)")
+    rotary = getattr(model.model, "rotary_emb", None)
+    if rotary is None or not hasattr(rotary, "inv_freq"):
+        raise DecodeError("the model has no model.rotary_emb.inv_freq; toolkit.decode needs transformers>=4.56")
+    return rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0))
