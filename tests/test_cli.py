@@ -1,5 +1,7 @@
 """The command line on a tiny local model: success path and the errors a user meets first."""
 
+import json
+
 import pytest
 from typer.testing import CliRunner
 
@@ -29,7 +31,8 @@ def test_quantize_and_eval_tiny_model(tmp_path, tiny_llama_dir):
         (["--group-size", "48"], "group_size must be one of"),
         (["--bits", "9"], "bits must be between 2 and 8"),
         (["--method", "hqq"], "unknown method"),
-        (["--asym"], "asymmetric GPTQ checkpoints are refused"),
+        (["--asym", "--format", "gptq"], "asymmetric GPTQ checkpoints are refused"),
+        (["--bits", "3", "--format", "awq"], "AWQ GEMM format stores 4-bit weights only"),
         (["--dataset", "/no/such/file.jsonl", "--method", "gptq"], "does not exist"),
     ],
 )
@@ -46,6 +49,14 @@ def test_group_size_not_dividing_width(tmp_path, tiny_llama_dir):
     result = run("quantize", "--model", tiny_llama_dir, "--group-size", "128", "--output", tmp_path / "q")
     assert result.exit_code == 2
     assert "does not divide the input width" in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("args,quant_method", [([], "gptq"), (["--asym"], "awq"), (["--bits", "8", "--asym"], "compressed-tensors")])
+def test_auto_format_picks_a_layout_engines_serve(tmp_path, tiny_llama_dir, args, quant_method):
+    out = tmp_path / "q"
+    result = run("quantize", "--model", tiny_llama_dir, "--group-size", "32", "--output", out, *args)
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == quant_method
 
 
 def test_existing_output_is_not_clobbered(tmp_path, tiny_llama_dir):

@@ -103,7 +103,7 @@ def quantize(
     samples: int = typer.Option(128, help="Calibration sequences."),
     seq_len: int = typer.Option(512, help="Tokens per calibration sequence."),
     seed: int = typer.Option(0, help="Seed for calibration sampling and any random choice."),
-    fmt: str = typer.Option("gptq", "--format", help="Checkpoint layout: gptq | awq (4-bit) | compressed-tensors (4 or 8 bits)."),
+    fmt: str = typer.Option("auto", "--format", help="Checkpoint layout: auto | gptq | awq | compressed-tensors (auto: gptq when symmetric, awq when asymmetric 4-bit)."),
     dtype: str = typer.Option("float16", help="dtype of unquantized tensors and scales: float16 | bfloat16."),
     skip: list[str] = typer.Option(["lm_head"], help="Module names (or suffixes) left unquantized; repeatable."),
     damp: Optional[float] = typer.Option(None, help="GPTQ: dampening relative to the mean Hessian diagonal."),

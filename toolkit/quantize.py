@@ -17,9 +17,19 @@ from toolkit.formats import gptq as gptq_format
 from toolkit.formats.checkpoint import write_checkpoint
 from toolkit.methods import driver_for
 from toolkit.models import load_model, load_tokenizer
-from toolkit.quant.configs import WeightQuantConfig
+from toolkit.quant.configs import ConfigError, WeightQuantConfig
 
 FORMATS = {"gptq": gptq_format, "awq": awq_format, "compressed-tensors": ct_format}
+
+
+def choose_format(config: WeightQuantConfig) -> str:
+    """The format ``auto`` stands for: GPTQ for symmetric weights, AWQ for asymmetric 4-bit groups (the layouts
+    with the widest engine support), compressed-tensors for what neither stores."""
+    if config.sym and config.bits in gptq_format.SUPPORTED_BITS:
+        return "gptq"
+    if not config.sym and config.bits == 4 and config.group_size != -1:
+        return "awq"
+    return "compressed-tensors"
 
 
 @dataclass
@@ -48,7 +58,7 @@ def quantize(
     output: Path | str,
     calibration: CalibrationSpec | None = None,
     *,
-    fmt: str = "gptq",
+    fmt: str = "auto",
     dtype: torch.dtype = torch.float16,
     overwrite: bool = False,
     trust_remote_code: bool = False,
@@ -63,8 +73,9 @@ def quantize(
     started = time.perf_counter()
     calibration = calibration or CalibrationSpec()
     output = Path(output)
+    fmt = choose_format(config) if fmt == "auto" else fmt
     if fmt not in FORMATS:
-        raise ValueError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+        raise ConfigError(f"unknown format {fmt!r}; choose auto or one of {', '.join(FORMATS)}")
     layout = FORMATS[fmt]
     layout.check_supported(config)  # 1
     if output.exists() and not overwrite:
@@ -86,8 +97,7 @@ def quantize(
     packed: dict[str, dict[str, torch.Tensor]] = {}
 
     def sink(name, qweight):
-        # compressed-tensors keeps scales in the model dtype; GPTQ and AWQ scales are fp16 by their kernels' contract.
-        packed[name] = layout.pack(qweight, dtype) if layout is ct_format else layout.pack(qweight)
+        packed[name] = layout.pack(qweight, dtype)
 
     errors = quantize_layers(model, config, driver_for(config.method), tokens, sink, progress=progress)  # 5
     manifest = {

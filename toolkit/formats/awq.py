@@ -52,8 +52,11 @@ def check_supported(config: WeightQuantConfig) -> None:
                           "keep static groups (the default)")
 
 
-def pack(qweight: QuantizedWeight) -> dict[str, torch.Tensor]:
-    """The tensors of one linear in AWQ GEMM layout, by suffix."""
+def pack(qweight: QuantizedWeight, dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
+    """The tensors of one linear in AWQ GEMM layout, by suffix.
+
+    Scales are fp16 whatever the checkpoint ``dtype``: the engines' kernels for this layout read them so.
+    """
     _check_bits(qweight.bits)
     N, K = qweight.codes.shape
     if N % 8:

@@ -49,8 +49,11 @@ def check_supported(config: WeightQuantConfig) -> None:
         )
 
 
-def pack(qweight: QuantizedWeight) -> dict[str, torch.Tensor]:
-    """The tensors of one linear in GPTQ layout, by suffix."""
+def pack(qweight: QuantizedWeight, dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
+    """The tensors of one linear in GPTQ layout, by suffix.
+
+    Scales are fp16 whatever the checkpoint ``dtype``: the engines' kernels for this layout read them so.
+    """
     bits = qweight.bits
     tensors = {
         "qweight": pack_codes(qweight.codes.t(), bits, dim=0),  # codes (K, N) → (K·b/32, N)

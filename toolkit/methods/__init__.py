@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from toolkit.engine import LayerDriver
 from toolkit.methods import awq
+from toolkit.methods import awq_gptq
 from toolkit.methods import gptq
 from toolkit.methods import rtn
 
@@ -15,6 +16,7 @@ DRIVERS: dict[str, LayerDriver] = {
     "rtn": rtn.quantize_layer,
     "gptq": gptq.quantize_layer,
     "awq": awq.quantize_layer,
+    "awq+gptq": awq_gptq.quantize_layer,
 }
 
 

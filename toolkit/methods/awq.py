@@ -12,6 +12,7 @@ Steps for one decoder layer (the math is ``toolkit.quant.awq``):
   3. Per linear: search the clipping range (not for q/k, whose error reaches the output through softmax(q·k), which
      a per-linear error does not measure; AutoAWQ skips them too), quantize, and record the relative output error.
 
+Steps 1-2 are ``scale_layer``, which the AWQ+GPTQ driver (``toolkit.methods.awq_gptq``) shares; step 3 is AWQ's own.
 The folded norms and rows stay in the model (they are float parameters the checkpoint writer saves).
 """
 
@@ -33,6 +34,51 @@ NO_CLIP = ("q_proj", "k_proj")
 
 def quantize_layer(session: LayerSession) -> dict[str, QuantizedWeight]:
     """Scale, clip and quantize every linear of the session's layer; report each one's relative output error."""
+    cfg = session.config
+    activations = scale_layer(session)
+
+    # 3. Clip, quantize, measure.
+    results = {}
+    for name, linear in session.linears.items():
+        W = linear.weight.data.float()
+        R = activations.tokens(name)
+        clip = cfg.clip and name.rsplit(".", 1)[-1] not in NO_CLIP
+        max_val = awq.search_clip(W, R, cfg.bits, cfg.group_size, cfg.sym) if clip else None
+        bias = None if linear.bias is None else linear.bias.data
+        qweight = awq.quantize_awq(W, cfg.bits, cfg.group_size, cfg.sym, max_val, bias)
+        W_hat = qweight.dequantize()
+        session.errors[name] = awq.relative_output_error(R, W, W_hat)
+        linear.weight.data.copy_(W_hat.to(linear.weight.dtype))
+        results[name] = qweight
+    return results
+
+
+class LayerActivations:
+    """What the linears of one layer read on the subsampled calibration tokens, float32: X [T, K] per distinct
+    input, keyed by the first linear reading it (``reader``), and its ``gram_factor``, computed when first asked for."""
+
+    def __init__(self, X: dict[str, torch.Tensor], reader: dict[str, str]):
+        self.X = X
+        self.reader = reader
+        self._factors: dict[str, torch.Tensor] = {}
+
+    def tokens(self, name: str) -> torch.Tensor:
+        """The gram_factor [≤K, K] of what linear ``name`` reads."""
+        key = self.reader[name]
+        if key not in self._factors:
+            self._factors[key] = awq.gram_factor(self.X[key])
+        return self._factors[key]
+
+    def divide(self, key: str, scales: torch.Tensor) -> None:
+        """The input ``key`` after its producer's output was divided by ``scales`` [K]."""
+        self.X[key] = self.X[key] / scales
+        if key in self._factors:
+            self._factors[key] = self._factors[key] / scales  # R·diag(s)⁻¹ factors diag(s)⁻¹·XᵀX·diag(s)⁻¹ exactly
+
+
+def scale_layer(session: LayerSession) -> LayerActivations:
+    """Steps 1-2 of the module docstring: search each scaling group's scales and fold them into the float layer.
+    Returns what every linear reads afterwards (the rescaled activations), for the quantizer that follows."""
     cfg, arch, layer = session.config, session.arch, session.layer
     if arch is None:
         raise ValueError("AWQ needs the layer's ArchSpec (session.arch); run it through toolkit.engine.quantize_layers")
@@ -46,13 +92,7 @@ def quantize_layer(session: LayerSession) -> dict[str, QuantizedWeight]:
     reader = _input_readers(session)
     blocks = {_block_name(names) for _, names in arch.awq_groups if len(names) > 1 and _quantized(session, names)}
     X, calls = _capture(calib, sorted(set(reader.values())), sorted(blocks))
-    tokens: dict[str, torch.Tensor] = {}  # gram_factor of X, filled when first needed
-
-    def tokens_of(name: str) -> torch.Tensor:
-        key = reader[name]
-        if key not in tokens:
-            tokens[key] = awq.gram_factor(X[key])
-        return tokens[key]
+    activations = LayerActivations(X, reader)
 
     # 2. Scaling groups, in order.
     for prev_name, names in arch.awq_groups:
@@ -65,33 +105,17 @@ def quantize_layer(session: LayerSession) -> dict[str, QuantizedWeight]:
         if any(reader[n] != key for n in names):
             raise ValueError(f"AWQ group {names} does not share one input; fix ArchSpec.awq_groups")
         if len(names) == 1:
-            R = tokens_of(names[0])
+            R = activations.tokens(names[0])
             block = lambda ws, R=R: R @ ws[0].T  # noqa: E731 (K pseudo-tokens; bias cancels in the loss)
         else:
             block = _block_output(layer.get_submodule(_block_name(names)), linears, calls[_block_name(names)])
         found = awq.search_scale(
-            [m.weight.data for m in linears], awq.activation_scale(X[key]), block,
+            [m.weight.data for m in linears], awq.activation_scale(activations.X[key]), block,
             cfg.bits, cfg.group_size, cfg.sym, cfg.grid,
         )
         fold_group(layer, prev_name, names, found.scales, arch.norm_offset)
-        X[key] = X[key] / found.scales
-        if key in tokens:
-            tokens[key] = tokens[key] / found.scales  # R·diag(s)⁻¹ factors diag(s)⁻¹·XᵀX·diag(s)⁻¹ exactly
-
-    # 3. Clip, quantize, measure.
-    results = {}
-    for name, linear in session.linears.items():
-        W = linear.weight.data.float()
-        R = tokens_of(name)
-        clip = cfg.clip and name.rsplit(".", 1)[-1] not in NO_CLIP
-        max_val = awq.search_clip(W, R, cfg.bits, cfg.group_size, cfg.sym) if clip else None
-        bias = None if linear.bias is None else linear.bias.data
-        qweight = awq.quantize_awq(W, cfg.bits, cfg.group_size, cfg.sym, max_val, bias)
-        W_hat = qweight.dequantize()
-        session.errors[name] = awq.relative_output_error(R, W, W_hat)
-        linear.weight.data.copy_(W_hat.to(linear.weight.dtype))
-        results[name] = qweight
-    return results
+        activations.divide(key, found.scales)
+    return activations
 
 
 def fold_group(layer: nn.Module, prev_name: str, names: tuple[str, ...], scales: torch.Tensor, norm_offset: float):

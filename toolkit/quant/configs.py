@@ -113,7 +113,31 @@ class AWQConfig(WeightQuantConfig):
             raise ConfigError(f"grid must be positive, got {self.grid}")
 
 
-METHODS: dict[str, type[WeightQuantConfig]] = {"rtn": RTNConfig, "gptq": GPTQConfig, "awq": AWQConfig}
+@dataclass(frozen=True)
+class AWQGPTQConfig(GPTQConfig):
+    """AWQ's activation-aware scales folded in first, then GPTQ's error-compensating rounding of the scaled weights.
+
+    GPTQ's options as in ``GPTQConfig``; grid and max_tokens as in ``AWQConfig`` (the scale search). No clip search:
+    GPTQ's rounding compensates what clipping would trade (``mse_clip`` shrinks the group ranges if wanted).
+    sym defaults to False, as AWQ's: asymmetric measured better on SmolLM2-135M (tests/methods/
+    test_real_model_ordering.py); write it with --format awq or compressed-tensors.
+    """
+
+    sym: bool = False
+    grid: int = 20
+    max_tokens: int = 4096
+
+    method = "awq+gptq"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.grid < 1:
+            raise ConfigError(f"grid must be positive, got {self.grid}")
+
+
+METHODS: dict[str, type[WeightQuantConfig]] = {
+    "rtn": RTNConfig, "gptq": GPTQConfig, "awq": AWQConfig, "awq+gptq": AWQGPTQConfig,
+}
 
 
 def make_config(method: str, **options) -> WeightQuantConfig:
