@@ -1,0 +1,221 @@
+"""The decoder forward against transformers: full, cached, tree inputs, compaction, INT8 cache, the real model."""
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import tiny_config, tiny_model
+from toolkit.decode import Decoder, DecodeError
+from toolkit.decode.tree import ancestor_mask, depths
+
+FAMILIES = ["llama", "qwen2", "mistral", "gemma", "qwen3"]
+VOCAB = 256
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls on shared cores spend their time in OpenMP barriers (100x slower with 2 busy threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def spread(model, logit_scale=40.0):
+    """Make a random tiny model exercise everything: nonzero biases and norm weights, logits of order 1 to 10."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.2)
+            elif "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+        model.get_output_embeddings().weight.mul_(logit_scale)
+    return model
+
+
+def family_model(model_type, **config_overrides):
+    if model_type == "qwen3":
+        from transformers import AutoModelForCausalLM, Qwen3Config
+
+        config = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=256)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        config = tiny_config(model_type, vocab=VOCAB)
+    for key, value in config_overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    return spread(AutoModelForCausalLM.from_config(config).eval())
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.as_tensor(ids)[None]).logits[0].float()
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_forward_matches_transformers_full_and_cached(model_type):
+    model = family_model(model_type)
+    ids = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(1))
+    ref = hf_logits(model, ids)
+    assert ref.abs().max() > 1.0  # the comparison below means something
+    decoder = Decoder.from_model(model, max_len=32)
+    full, _ = decoder(ids, 0)
+    assert (full.float() - ref).abs().max() < 1e-4
+
+    rows = [decoder(ids[:7], 0)[0]]  # prefill, then one token at a time
+    rows += [decoder(ids[j:j + 1], j)[0] for j in range(7, 20)]
+    assert (torch.cat(rows).float() - ref).abs().max() < 1e-4
+
+
+def test_decoder_shares_the_model_tensors():
+    model = family_model("llama")
+    decoder = Decoder.from_model(model, max_len=8)
+    assert decoder.embed.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert decoder.layers[0].q_proj is model.model.layers[0].self_attn.q_proj
+
+
+def test_sliding_window_matches_transformers():
+    model = family_model("mistral", sliding_window=4)
+    ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(2))
+    ref = hf_logits(model, ids)
+    decoder = Decoder.from_model(model, max_len=16)
+    rows = [decoder(ids[:5], 0)[0]] + [decoder(ids[j:j + 1], j)[0] for j in range(5, 12)]
+    assert (torch.cat(rows).float() - ref).abs().max() < 1e-4
+
+
+# root, then nodes: 0 and 1 children of the root, 2 and 3 of node 0, 4 of node 1, 5 of node 2, 6 of node 4
+PARENTS = torch.tensor([-1, -1, 0, 0, 1, 2, 4])
+
+
+def path_to(node, parents):
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = int(parents[node])
+    return path[::-1]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma", "mistral"])
+def test_tree_forward_equals_separate_sequences(model_type):
+    model = family_model(model_type, **({"sliding_window": 7} if model_type == "mistral" else {}))
+    g = torch.Generator().manual_seed(3)
+    prefix, root = torch.randint(0, VOCAB, (6,), generator=g), torch.randint(0, VOCAB, (1,), generator=g)
+    nodes = torch.randint(0, VOCAB, (len(PARENTS),), generator=g)
+    decoder = Decoder.from_model(model, max_len=32)
+    decoder(prefix, 0)
+    tree_tokens = torch.cat([root, nodes])
+    tree_depth = torch.cat([torch.zeros(1, dtype=torch.long), depths(PARENTS)])
+    logits, _ = decoder(tree_tokens, 6, tree_depth, ancestor_mask(PARENTS))
+
+    assert (logits[0].float() - hf_logits(model, torch.cat([prefix, root]))[-1]).abs().max() < 1e-4
+    for node in range(len(PARENTS)):
+        sequence = torch.cat([prefix, root, nodes[path_to(node, PARENTS)]])
+        assert (logits[node + 1].float() - hf_logits(model, sequence)[-1]).abs().max() < 1e-4, node
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8])
+def test_compaction_equals_cache_built_from_accepted_sequence(kv_dtype):
+    model = family_model("qwen2")
+    g = torch.Generator().manual_seed(4)
+    prefix, root = torch.randint(0, VOCAB, (6,), generator=g), torch.randint(0, VOCAB, (1,), generator=g)
+    nodes = torch.randint(0, VOCAB, (len(PARENTS),), generator=g)
+    accepted = path_to(6, PARENTS)  # [1, 4, 6]: a partial accept away from the first branch
+    sequence = torch.cat([prefix, root, nodes[accepted]])
+
+    decoder = Decoder.from_model(model, max_len=32, kv_dtype=kv_dtype)
+    decoder(prefix, 0)
+    decoder(torch.cat([root, nodes]), 6, torch.cat([torch.zeros(1, dtype=torch.long), depths(PARENTS)]),
+            ancestor_mask(PARENTS))
+    decoder.cache.keep(6, [0] + [i + 1 for i in accepted])
+
+    direct = Decoder.from_model(model, max_len=32, kv_dtype=kv_dtype)
+    direct(sequence, 0)
+    n = len(sequence)
+    for name in ["k", "v"] + (["k_scale", "v_scale"] if kv_dtype else []):
+        got, want = getattr(decoder.cache, name)[:, :, :, :n], getattr(direct.cache, name)[:, :, :, :n]
+        if kv_dtype:  # the same float inputs up to summation order: an INT8 code may round the other way
+            assert (got.float() - want.float()).abs().max() <= 1 + 1e-5, name
+        else:
+            assert (got - want).abs().max() < 1e-5, name
+    following = torch.tensor([7])
+    assert (decoder(following, n)[0] - direct(following, n)[0]).abs().max() < 1e-3
+
+
+def test_int8_cache_is_close_to_float_cache():
+    model = family_model("llama")
+    ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(5))
+
+    def cached_logits(decoder):
+        rows = [decoder(ids[:24], 0)[0]] + [decoder(ids[j:j + 1], j)[0] for j in range(24, 40)]
+        return torch.cat(rows).float()
+
+    reference = cached_logits(Decoder.from_model(model, max_len=40))
+    dynamic = cached_logits(Decoder.from_model(model, max_len=40, kv_dtype=torch.int8))
+    rel = ((dynamic - reference).norm() / reference.norm()).item()
+    assert 0 < rel < 0.02, rel
+
+    # static per-layer scales from the float cache's absmax (what a calibrated checkpoint would carry)
+    float_decoder = Decoder.from_model(model, max_len=40)
+    float_decoder(ids, 0)
+    scales = torch.stack([float_decoder.cache.k.abs().amax(dim=(1, 2, 3, 4)),
+                          float_decoder.cache.v.abs().amax(dim=(1, 2, 3, 4))], dim=1) / 127
+    static = cached_logits(Decoder.from_model(model, max_len=40, kv_dtype=torch.int8, kv_scales=scales))
+    rel_static = ((static - reference).norm() / reference.norm()).item()
+    assert 0 < rel_static < 0.05, rel_static
+
+
+class _DequantizedLinear(nn.Module):
+    """Not an nn.Linear: a module with only forward(x), as a runtime QuantLinear is to the decoder."""
+
+    def __init__(self, linear):
+        super().__init__()
+        from toolkit.quant.primitives import quantize_rtn
+
+        self.register_buffer("W", quantize_rtn(linear.weight.detach(), 4, 32, True).dequantize())
+        self.bias = linear.bias
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.W.to(x.dtype), self.bias)
+
+
+def test_quantized_modules_just_work():
+    model = family_model("qwen2")
+    for layer in model.model.layers:
+        for parent, name in [(layer.self_attn, "q_proj"), (layer.self_attn, "v_proj"), (layer.mlp, "down_proj")]:
+            setattr(parent, name, _DequantizedLinear(getattr(parent, name)))
+    ids = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(6))
+    logits, _ = Decoder.from_model(model, max_len=16)(ids, 0)
+    assert (logits.float() - hf_logits(model, ids)).abs().max() < 1e-4
+
+
+def test_unsupported_models_are_refused_with_the_fix():
+    model = tiny_model("llama", vocab=VOCAB)
+    model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    with pytest.raises(DecodeError, match="'dynamic' is not supported.*default, linear, llama3, yarn"):
+        Decoder.from_model(model, max_len=8)
+    model.config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    model.config.model_type = "gemma2"
+    with pytest.raises(DecodeError, match="does not support model_type 'gemma2'"):
+        Decoder.from_model(model, max_len=8)
+
+
+def test_overflowing_the_cache_names_the_fix():
+    decoder = Decoder.from_model(tiny_model("llama", vocab=VOCAB), max_len=4)
+    with pytest.raises(DecodeError, match=r"max_len>=6"):
+        decoder(torch.arange(6), 0)
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers():
+    from toolkit.models import load_model
+
+    model = load_model("smollm2-135m")
+    ids = torch.randint(0, model.config.vocab_size, (48,), generator=torch.Generator().manual_seed(7))
+    ref = hf_logits(model, ids)
+    decoder = Decoder.from_model(model, max_len=64)
+    rows = [decoder(ids[:40], 0)[0]] + [decoder(ids[j:j + 1], j)[0] for j in range(40, 48)]
+    diff = (torch.cat(rows).float() - ref).abs().max().item()
+    print(f"SmolLM2-135M: max |logits - transformers| = {diff:.2e} (logit range {ref.abs().max().item():.1f})")
+    assert diff < 1e-3
