@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import resource
 import time
 from dataclasses import dataclass, field
@@ -10,13 +11,14 @@ from pathlib import Path
 import torch
 
 from toolkit import __version__
-from toolkit.engine import Progress, check_widths, quantize_layers
+from toolkit.engine import Progress, capture_layer_inputs, check_widths, quantize_layers
 from toolkit.formats import awq as awq_format
 from toolkit.formats import compressed_tensors as ct_format
 from toolkit.formats import gptq as gptq_format
 from toolkit.formats.checkpoint import write_checkpoint
 from toolkit.methods import driver_for
-from toolkit.models import load_model, load_tokenizer
+from toolkit.models import arch_spec, decoder_layers, load_model, load_tokenizer
+from toolkit.quant import kv_cache as kv
 from toolkit.quant.configs import ConfigError, WeightQuantConfig
 
 FORMATS = {"gptq": gptq_format, "awq": awq_format, "compressed-tensors": ct_format}
@@ -63,12 +65,23 @@ def quantize(
     overwrite: bool = False,
     trust_remote_code: bool = False,
     progress: Progress | None = None,
+    kv_cache: str | None = None,
+    kv_cache_strategy: str = "tensor",
 ) -> QuantizeResult:
     """Quantize ``model_spec`` with ``config`` and write a ``fmt`` checkpoint to ``output`` (atomically).
 
+    kv_cache: ``"fp8"`` or ``"int8"`` also calibrates static KV-cache scales (``toolkit.quant.kv_cache``): the absmax
+    of every layer's post-RoPE keys and values on the calibration batch, run through the quantized model, over 448
+    or 127; per layer (``kv_cache_strategy="tensor"``) or per KV head (``"attn_head"``). They are written as
+    ``model.layers.{i}.self_attn.k_scale`` / ``.v_scale``. compressed-tensors declares them in ``kv_cache_scheme``
+    (FP8 only), which makes vLLM serve an fp8 KV cache with them by default. GPTQ and AWQ configs have no such field
+    and vLLM 0.32 does not load KV scales for them (``--kv-cache-dtype fp8`` then runs with scale 1.0, or
+    ``--calculate-kv-scales``): there the scales serve compound's runtime, and the manifest records their type.
+
     Steps: 1. refuse unsupported format settings and an existing output; 2. load tokenizer and model;
-    3. check group size against every linear; 4. build calibration tokens (methods that need them);
-    5. quantize layer by layer, packing each linear as it finishes; 6. write the checkpoint.
+    3. check group size against every linear; 4. build calibration tokens (methods that need them, KV scales);
+    5. quantize layer by layer, packing each linear as it finishes; 6. calibrate KV-cache scales on the quantized
+    model (if asked); 7. write the checkpoint.
     """
     started = time.perf_counter()
     calibration = calibration or CalibrationSpec()
@@ -78,13 +91,14 @@ def quantize(
         raise ConfigError(f"unknown format {fmt!r}; choose auto or one of {', '.join(FORMATS)}")
     layout = FORMATS[fmt]
     layout.check_supported(config)  # 1
+    _check_kv_cache(kv_cache, kv_cache_strategy, fmt)
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
     tokenizer = load_tokenizer(model_spec, trust_remote_code)  # 2
     model = load_model(model_spec, torch.float32, trust_remote_code)
     check_widths(model, config)  # 3
     tokens, calib_info = None, {}
-    if config.needs_activations:  # 4
+    if config.needs_activations or kv_cache:  # 4
         from toolkit.calibration import calibration_batch, fingerprint
 
         if progress:
@@ -99,14 +113,71 @@ def quantize(
     def sink(name, qweight):
         packed[name] = layout.pack(qweight, dtype)
 
-    errors = quantize_layers(model, config, driver_for(config.method), tokens, sink, progress=progress)  # 5
+    weight_tokens = tokens if config.needs_activations else None
+    errors = quantize_layers(model, config, driver_for(config.method), weight_tokens, sink, progress=progress)  # 5
+    quantization_config = layout.quantization_config(config)
+    kv_tensors, kv_info = {}, None
+    if kv_cache:  # 6
+        if progress:
+            progress.step(f"calibrating {kv_cache} KV-cache scales")
+        amax = observe_kv_absmax(model, tokens, per_head=kv_cache_strategy == "attn_head")
+        kv_tensors = kv.checkpoint_tensors(amax, kv_cache, arch_spec(model).layers, dtype)
+        kv_info = {"dtype": kv_cache, "strategy": kv_cache_strategy, "scale": f"amax / {kv.QMAX[kv_cache]:g}"}
+        if fmt == ct_format.NAME:
+            quantization_config["kv_cache_scheme"] = kv.kv_cache_scheme(kv_cache, kv_cache_strategy)
     manifest = {
         "compound_version": __version__,
         "format": fmt,
         "model": model_spec,
         "quantization": config.to_dict(),
         "calibration": calib_info or None,
+        "kv_cache": kv_info,
     }
-    write_checkpoint(output, model, tokenizer, packed, layout.quantization_config(config), manifest, dtype, overwrite)
+    write_checkpoint(output, model, tokenizer, packed, quantization_config, manifest, dtype, overwrite,  # 7
+                     extra_tensors=kv_tensors)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return QuantizeResult(output, time.perf_counter() - started, peak, errors)
+
+
+def observe_kv_absmax(
+    model: torch.nn.Module, tokens: torch.Tensor, per_head: bool = False, batch_size: int = 8
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(K amax, V amax) of every decoder layer over ``tokens`` [samples, seq_len], each a scalar or [n_kv].
+
+    Layer by layer like the engine: capture what enters the first layer, then run each layer with a ``KVAbsMax``
+    passed as its KV cache (the attention hands it the keys after RoPE and the values it would cache) and feed its
+    outputs to the next. Run after ``quantize_layers``, so the keys are those of the quantized model.
+    """
+    inputs = capture_layer_inputs(model, tokens, batch_size)
+    observed = []
+    with torch.no_grad():
+        for index, layer in enumerate(decoder_layers(model)):
+            observer = kv.KVAbsMax(per_head)
+            cache = {_cache_keyword(layer): observer}
+            outputs = [layer(hidden, **kwargs, **cache) for hidden, kwargs in zip(inputs.hidden, inputs.kwargs)]
+            inputs.hidden = [out[0] if isinstance(out, tuple) else out for out in outputs]
+            if observer.k_amax is None:
+                raise RuntimeError(f"decoder layer {index} ({type(layer).__name__}) never updated its KV cache; "
+                                   "KV-cache scales cannot be calibrated for this architecture")
+            observed.append((observer.k_amax, observer.v_amax))
+    return observed
+
+
+def _cache_keyword(layer: torch.nn.Module) -> str:
+    """The decoder layer's KV-cache argument: ``cache`` in current transformers (which deprecates the older
+    ``past_key_values``), ``past_key_values`` in releases before the rename."""
+    return "cache" if "cache" in inspect.signature(layer.forward).parameters else "past_key_values"
+
+
+def _check_kv_cache(kv_cache: str | None, strategy: str, fmt: str) -> None:
+    """Refuse KV-cache settings before any work, naming the way out."""
+    if kv_cache is None:
+        return
+    if kv_cache not in kv.QMAX:
+        raise ConfigError(f"--kv-cache must be one of {', '.join(kv.QMAX)}, got {kv_cache!r}")
+    if strategy not in kv.STRATEGIES:
+        raise ConfigError(f"KV-cache strategy must be one of {', '.join(kv.STRATEGIES)}, got {strategy!r}")
+    if kv_cache == "int8" and fmt == ct_format.NAME:
+        raise ConfigError("compressed-tensors declares KV scales in kv_cache_scheme, and vLLM refuses any but FP8 "
+                          "(num_bits 8, type float); use --kv-cache fp8 to serve them, or --format gptq / awq to "
+                          "keep INT8 scales for compound's decode loop")

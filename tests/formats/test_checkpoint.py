@@ -83,3 +83,63 @@ def test_write_checkpoint_contents_and_manifest(tmp_path, smol_tokenizer):
     with open(out / "config.json", "a") as f:
         f.write(" ")
     assert verify_manifest(out) == ["config.json"]
+
+
+def _packed_tiny_llama():
+    """A tiny Llama quantized in memory (RTN W4 g32) and its linears packed as GPTQ."""
+    from conftest import tiny_model
+    from toolkit.engine import quantize_layers
+    from toolkit.formats import gptq
+    from toolkit.methods import driver_for
+    from toolkit.quant.configs import RTNConfig
+
+    model, config, packed = tiny_model("llama"), RTNConfig(bits=4, group_size=32), {}
+    quantize_layers(model, config, driver_for("rtn"), None, lambda name, q: packed.update({name: gptq.pack(q)}))
+    return model, gptq.quantization_config(config), packed
+
+
+def test_sharded_checkpoint_matches_the_single_file_and_loads(tmp_path, smol_tokenizer):
+    from safetensors.torch import load_file
+
+    from toolkit.formats.checkpoint import WEIGHTS_INDEX, read_tensors
+    from toolkit.runtime.load import load_quantized
+
+    model, quant, packed = _packed_tiny_llama()
+    single = write_checkpoint(tmp_path / "single", model, smol_tokenizer, packed, quant, {"method": "rtn"})
+    sharded = write_checkpoint(tmp_path / "sharded", model, smol_tokenizer, packed, quant, {"method": "rtn"},
+                               max_shard_size=1_000_000)  # the fp16 embedding alone is 6.3 MB
+    assert "model.safetensors" in {p.name for p in single.iterdir()} and not (single / WEIGHTS_INDEX).exists()
+    shards = sorted(p.name for p in sharded.glob("*.safetensors"))
+    n = len(shards)
+    assert n >= 2 and shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+
+    index = json.loads((sharded / WEIGHTS_INDEX).read_text())
+    reference = load_file(single / "model.safetensors")
+    assert set(index["weight_map"]) == set(reference) and set(index["weight_map"].values()) == set(shards)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in reference.values())
+    for shard in shards:  # every tensor sits in the shard the index names
+        assert all(index["weight_map"][name] == shard for name in load_file(sharded / shard))
+    tensors = read_tensors(sharded)
+    assert tensors.keys() == reference.keys()
+    assert all(tensors[k].dtype == reference[k].dtype and torch.equal(tensors[k], reference[k]) for k in reference)
+
+    manifest = json.loads((sharded / "compound.json").read_text())
+    assert set(shards) | {WEIGHTS_INDEX} <= set(manifest["files"]) and verify_manifest(sharded) == []
+    tokens = torch.randint(0, 49152, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = load_quantized(single)[0](tokens).logits, load_quantized(sharded)[0](tokens).logits
+    assert torch.equal(expected, got)
+
+
+def test_transformers_reads_the_shard_index(tmp_path, smol_tokenizer):
+    from conftest import tiny_model
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model("llama")
+    out = write_checkpoint(tmp_path / "float", model, smol_tokenizer, {}, None, {}, torch.float16,
+                           max_shard_size="1MB")
+    assert len(list(out.glob("model-*-of-*.safetensors"))) >= 2
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float16)
+    expected = {k: v.half() for k, v in model.state_dict().items()}
+    got = loaded.state_dict()
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)

@@ -3,11 +3,17 @@
 Run with the vLLM venv's python (made by scripts/setup_vllm.sh), not compound's:
 
     .venvs/vllm/bin/python tests/integration/vllm_nll.py --model DIR --tokens windows.json [--dtype bfloat16]
-        [--strict-weights] [--max-model-len N]
+        [--strict-weights] [--max-model-len N] [--kv-cache-dtype fp8] [--broken DIR]
 
 ``windows.json`` is a list of lists of token ids. Each window is one independent prompt; its first token has no
 prediction, so every window is scored from its 2nd token (as compound's ``toolkit.evaluate.perplexity`` does).
-Prints one JSON line on stdout: {"nll", "tokens", "quantization", "kernels", "dtype", "vllm"}.
+Prints one JSON line on stdout: {"nll", "tokens", "quantization", "kernels", "dtype", "kv_cache_dtype",
+"kv_scales", "vllm"} and, with ``--broken``, "broken_error". ``kv_cache_dtype``: the cache dtype vLLM resolved
+("auto" = the model dtype); ``kv_scales``: the (k, v) scale every attention layer runs with, as vLLM loaded it
+(1.0 each when the checkpoint has none its quantization config lets vLLM read).
+
+``--broken DIR``: after scoring, in the same process (vLLM imported once), load DIR the same way and report the
+error that refused it (``broken_error``; null if it loaded).
 
 ``--strict-weights`` forces vLLM's missing-weight check (``DefaultModelLoader.track_weights_loading``), which
 by default runs only for unquantized models: it is switched on with
@@ -67,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--strict-weights", action="store_true", help="force vLLM's missing-weight check")
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | float16 | bfloat16 | fp8 (E4M3, scaled "
+                        "by the checkpoint's k_scale / v_scale). auto is fp8 for a checkpoint that declares a "
+                        "compressed-tensors kv_cache_scheme, the model dtype otherwise")
+    parser.add_argument("--broken", default=None, help="a checkpoint to load after scoring; its error is reported")
     args = parser.parse_args(argv)
 
     windows = json.loads(open(args.tokens).read())
@@ -89,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=len(windows),
         max_num_batched_tokens=max(longest + 1, 2048),
         enable_prefix_caching=False,  # prompt logprobs of a cached prefix would not be recomputed
+        kv_cache_dtype=args.kv_cache_dtype,
         seed=0,
     )
     if args.strict_weights:
@@ -112,15 +123,41 @@ def main(argv: list[str] | None = None) -> int:
             count += 1
 
     quant = llm.llm_engine.vllm_config.model_config.quantization
-    print(json.dumps({
+    result = {
         "nll": total / count,
         "tokens": count,
         "quantization": quant,
         "kernels": tee.kernels,
         "dtype": args.dtype,
+        "kv_cache_dtype": llm.llm_engine.vllm_config.cache_config.cache_dtype,  # as resolved ("auto": model dtype)
+        "kv_scales": llm.apply_model(_kv_scales)[0],
         "vllm": vllm.__version__,
-    }), flush=True)
+    }
+    if args.broken:
+        del llm
+        _release_engine()
+        try:
+            LLM(**{**kwargs, "model": args.broken})
+            result["broken_error"] = None
+        except Exception as err:  # vLLM raises ValueError / RuntimeError depending on where loading fails
+            result["broken_error"] = f"{type(err).__name__}: {err}"
+    print(json.dumps(result), flush=True)
     return 0
+
+
+def _kv_scales(model) -> list[list[float]]:
+    """(k, v) scale of every attention layer, as the attention backend reads them."""
+    return [[m._k_scale_float, m._v_scale_float] for m in model.modules() if hasattr(m, "_k_scale_float")]
+
+
+def _release_engine() -> None:
+    """Tear down the in-process engine's distributed state and memory so a second LLM can be built."""
+    import gc
+
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    gc.collect()
+    cleanup_dist_env_and_memory()
 
 
 if __name__ == "__main__":

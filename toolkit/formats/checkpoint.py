@@ -2,6 +2,11 @@
 
 The directory is assembled in a temporary sibling (``.<name>.tmp-*``) and renamed into place only when complete,
 so a crash or Ctrl-C never leaves a half checkpoint where a loader would find it.
+
+Tensors above ``max_shard_size`` are split the Hugging Face way (``huggingface_hub.split_torch_state_dict_into_shards``,
+what ``save_pretrained`` uses): ``model-00001-of-0000n.safetensors`` … plus ``model.safetensors.index.json`` =
+``{"metadata": {"total_size": bytes}, "weight_map": {tensor name: shard file}}``; a single ``model.safetensors``
+otherwise. vLLM, SGLang and transformers read either; the manifest hashes every file.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,6 +26,8 @@ from torch import nn
 
 MANIFEST = "compound.json"
 WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+MAX_SHARD_SIZE = "2GB"  # largest safetensors file written (huggingface_hub size string, or an int in bytes)
 
 
 @contextmanager
@@ -90,26 +97,84 @@ def write_checkpoint(
     manifest: dict,
     dtype: torch.dtype = torch.float16,
     overwrite: bool = False,
+    *,
+    extra_tensors: dict[str, torch.Tensor] | None = None,
+    max_shard_size: int | str = MAX_SHARD_SIZE,
 ) -> Path:
     """Write model + quantized tensors + tokenizer + configs + manifest to ``output`` atomically.
 
     quantized: ``{module name: {suffix: tensor}}`` in the target layout; those modules' float weights are left out.
+    extra_tensors: further tensors by full name, written as given (e.g. the KV-cache scales ``…self_attn.k_scale``).
     """
     tensors = float_state_dict(model, set(quantized), dtype)
     for module, parts in quantized.items():
         tensors.update({f"{module}.{suffix}": t.contiguous() for suffix, t in parts.items()})
-    with atomic_directory(Path(output), overwrite) as staging:
-        save_file(tensors, staging / WEIGHTS, metadata={"format": "pt"})
-        config = export_config(model, dtype, quantization_config)
-        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        if quantization_config is not None:
-            (staging / "quantize_config.json").write_text(json.dumps(quantization_config, indent=2) + "\n")
+    tensors.update({name: t.contiguous() for name, t in (extra_tensors or {}).items()})
+
+    def save_extras(staging: Path) -> None:
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+
+    config = export_config(model, dtype, quantization_config)
+    return write_directory(output, tensors, config, manifest, save_extras, overwrite, max_shard_size)
+
+
+def write_directory(
+    output: Path,
+    tensors: dict[str, torch.Tensor],
+    config: dict,
+    manifest: dict,
+    save_extras: Callable[[Path], None] | None = None,
+    overwrite: bool = False,
+    max_shard_size: int | str = MAX_SHARD_SIZE,
+) -> Path:
+    """Write ``tensors`` (sharded above ``max_shard_size``), ``config.json`` (its ``quantization_config`` also as
+    ``quantize_config.json``), whatever ``save_extras(staging_dir)`` adds (tokenizer files), and the manifest with
+    the SHA-256 of every file, atomically."""
+    with atomic_directory(Path(output), overwrite) as staging:
+        save_tensors(staging, tensors, max_shard_size)
+        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if config.get("quantization_config") is not None:
+            (staging / "quantize_config.json").write_text(json.dumps(config["quantization_config"], indent=2) + "\n")
+        if save_extras is not None:
+            save_extras(staging)
         files = {p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file()}
         (staging / MANIFEST).write_text(json.dumps({**manifest, "files": files}, indent=2) + "\n")
     return Path(output)
+
+
+def save_tensors(
+    directory: Path, tensors: dict[str, torch.Tensor], max_shard_size: int | str = MAX_SHARD_SIZE
+) -> list[str]:
+    """Write ``tensors`` as one ``model.safetensors``, or as HF-named shards plus their index when they exceed
+    ``max_shard_size`` (a tensor larger than that gets a shard of its own). Returns the files written."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({name: tensors[name] for name in names}, Path(directory) / filename, metadata={"format": "pt"})
+    if not split.is_sharded:
+        return [WEIGHTS]
+    index = {"metadata": {"total_size": split.metadata["total_size"]},
+             "weight_map": dict(sorted(split.tensor_to_filename.items()))}
+    (Path(directory) / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return [*split.filename_to_tensors, WEIGHTS_INDEX]
+
+
+def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory, from its single file or all the shards its index names."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    index = directory / WEIGHTS_INDEX
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [WEIGHTS]
+    tensors = {}
+    for name in files:
+        if not (directory / name).is_file():
+            raise FileNotFoundError(f"{directory / name} is missing: the checkpoint is incomplete")
+        tensors.update(load_file(directory / name))
+    return tensors
 
 
 def verify_manifest(directory: Path) -> list[str]:
