@@ -66,3 +66,21 @@ def test_existing_output_is_not_clobbered(tmp_path, tiny_llama_dir):
     result = run("quantize", "--model", tiny_llama_dir, "--group-size", "32", "--output", out)
     assert result.exit_code == 2 and "--overwrite" in result.output
     assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_decode_a_float_and_a_quantized_tiny_model(tmp_path, tiny_llama_dir):
+    result = run("decode", "--model", tiny_llama_dir, "--prompt", "Name three colours.", "--max-new-tokens", "6")
+    assert result.exit_code == 0, result.output
+    assert "tokens/s" in result.output and "greedy" in result.output
+    assert "new tokens" in result.output and "prompt tokens" in result.output
+    out = tmp_path / "q"
+    assert run("quantize", "--model", tiny_llama_dir, "--group-size", "32", "--output", out).exit_code == 0
+    result = run("decode", "--model", out, "--prompt", "Hi", "--max-new-tokens", "4", "--kv-cache", "int8",
+                 "--temperature", "0.8")
+    assert result.exit_code == 0, result.output
+    assert "T=0.8, KV cache int8" in result.output
+
+
+def test_decode_refuses_an_unknown_kv_cache(tiny_llama_dir):
+    result = run("decode", "--model", tiny_llama_dir, "--prompt", "Hi", "--kv-cache", "fp8")
+    assert result.exit_code == 2 and "--kv-cache must be float or int8" in result.output

@@ -113,6 +113,8 @@ def quantize(
     eval_windows: int = typer.Option(80, help="Held-out windows of --seq-len tokens for --eval."),
     overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
     trust_remote_code: bool = typer.Option(False, help="Allow model code from the checkpoint (off by default)."),
+    kv_cache: Optional[str] = typer.Option(None, help="Also calibrate static KV-cache scales: fp8 (vLLM --kv-cache-dtype fp8; read from compressed-tensors checkpoints) | int8 (compound's decode loop)."),
+    kv_cache_strategy: str = typer.Option("tensor", help="KV-cache scales per layer (tensor) or per KV head (attn_head)."),
 ):
     """Quantize a causal LM layer by layer and write a deployable checkpoint."""
     import torch
@@ -127,7 +129,8 @@ def quantize(
         with _progress() as bar:
             result = run_quantize(model, config, output, CalibrationSpec(dataset, samples, seq_len), fmt=fmt,
                                   dtype=getattr(torch, DTYPES.get(dtype, "float16")), overwrite=overwrite,
-                                  trust_remote_code=trust_remote_code, progress=_RichProgress(bar))
+                                  trust_remote_code=trust_remote_code, progress=_RichProgress(bar),
+                                  kv_cache=kv_cache, kv_cache_strategy=kv_cache_strategy)
         table = Table(title=f"compound quantize: {method} W{bits} g{group_size}")
         table.add_column("measure")
         table.add_column("value", justify="right")
@@ -144,6 +147,23 @@ def quantize(
         Console().print(table)
     except _user_errors() as err:
         _fail(err)
+
+
+@app.command()
+def convert(
+    model: Path = typer.Option(..., help="A compound checkpoint directory."),
+    fmt: str = typer.Option(..., "--format", help="Target layout: gptq | awq | compressed-tensors."),
+    output: Path = typer.Option(..., "--output", "-o", help="Checkpoint directory to create."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
+):
+    """Re-pack a checkpoint into another layout, bit-exact, without re-quantizing (refused where the math differs)."""
+    from toolkit.convert import convert as run_convert
+
+    try:
+        out = run_convert(model, fmt, output, overwrite=overwrite)
+    except _user_errors() as err:
+        _fail(err)
+    console.print(f"wrote {fmt} checkpoint {out} ({_dir_size(out) / 2**20:.1f} MiB)")
 
 
 @app.command("eval")
@@ -173,3 +193,96 @@ def evaluate(
         json_out.write_text(json.dumps({"dataset": dataset, "windows": windows, "seq_len": seq_len,
                                         "results": results}, indent=2) + "\n")
 
+
+@app.command()
+def validate(
+    model: Path = typer.Option(..., help="A quantized checkpoint directory (GPTQ, AWQ or compressed-tensors)."),
+    dataset: str = typer.Option("sharegpt", help="Held-out source (its eval split)."),
+    windows: int = typer.Option(2, help="Held-out windows run on every path."),
+    seq_len: int = typer.Option(64, help="Tokens per window (at most 256, where cpu-int4 hands over to the reference)."),
+    triton_layers: Optional[int] = typer.Option(None, help="Decoder layers run on the Triton kernels (default: all on CUDA, 1 under the CPU interpreter)."),
+    triton_tokens: Optional[int] = typer.Option(None, help="Tokens of window 0 run on Triton (default: all on CUDA, 16 under the CPU interpreter)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the report to this JSON file."),
+):
+    """Check a checkpoint's hashes, run held-out tokens on every runtime path, and preview how engines serve it."""
+    from toolkit.validate import validate as run_validate
+
+    try:
+        report = run_validate(model, dataset=dataset, windows=windows, seq_len=seq_len,
+                              triton_layers=triton_layers, triton_tokens=triton_tokens)
+    except (*_user_errors(), ValueError) as err:
+        _fail(err)
+    out = Console()
+    out.print(f"manifest: {report.manifest_files} files, SHA-256 intact" if report.manifest_files
+              else "manifest: none (compound.json absent), bytes not checked")
+    paths = Table(title=f"runtime paths vs the reference ({dataset}, {windows}×{seq_len} held-out tokens)")
+    for column in ("path", "layers", "positions", "max |Δ logit|", "/ max |logit|", "top-1 agreement", "ok", "note"):
+        paths.add_column(column, justify="left" if column in ("path", "layers", "note") else "right")
+    for p in report.paths:
+        numbers = ("-", "-", "-") if p.max_logit_diff is None else \
+            (f"{p.max_logit_diff:.3g}", f"{p.relative_diff:.1e}", f"{p.top1_agreement:.2%}")
+        paths.add_row(p.path, p.layers, str(p.positions), *numbers, "yes" if p.ok else "[bold red]NO[/]", p.note)
+    out.print(paths)
+    s = report.serving
+    serving = Table(title=f"serving preview: {s.quant_method}, {s.scheme}", show_lines=True)
+    serving.add_column("engine")
+    serving.add_column("path")
+    serving.add_column("why")
+    serving.add_row("vLLM, GPU", s.vllm_gpu, s.vllm_gpu_why)
+    serving.add_row("vLLM, CPU", s.vllm_cpu, s.vllm_cpu_why)
+    for problem in s.problems:
+        serving.add_row("[bold red]problem[/]", "", problem)
+    out.print(serving)
+    out.print("serve it with (vLLM on GPU, vLLM on CPU, SGLang):")
+    for command in (s.vllm_command, s.vllm_cpu_command, s.sglang_command):  # unwrapped, to copy and paste
+        out.print(f"  {command}", soft_wrap=True, markup=False, highlight=False)
+    if json_out:
+        json_out.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    if not report.ok:
+        console.print("[bold red]validation failed:[/] a runtime path disagrees with the reference, or an engine "
+                      "cannot serve the checkpoint (see the tables above)")
+        raise typer.Exit(1)
+
+
+@app.command()
+def decode(
+    model: str = typer.Option(..., help="A compound checkpoint directory (runs its packed weights), or any model spec (float)."),
+    prompt: str = typer.Option(..., help="The user message; rendered with the model's chat template."),
+    max_new_tokens: int = typer.Option(64, help="Tokens to generate at most (stops early at end-of-sequence)."),
+    temperature: float = typer.Option(0.0, help="0: greedy; above 0: sample at this temperature."),
+    kv_cache: str = typer.Option("float", help="KV cache: float (the model dtype) | int8 (per token and head scales)."),
+    seed: int = typer.Option(0, help="Sampling seed."),
+):
+    """Generate a reply with compound's decode loop (static KV cache) and print its statistics."""
+    import torch
+
+    from toolkit.decode import DecodeError, Decoder, SamplingConfig, generate
+
+    if kv_cache not in ("float", "int8"):
+        _fail(ValueError(f"--kv-cache must be float or int8, got {kv_cache!r}"))
+    try:
+        sampling = SamplingConfig(temperature, seed=seed) if temperature > 0 else None
+        loaded, tokenizer = _load_for_eval(model)
+        ids = _chat_prompt(tokenizer, prompt)
+        decoder = Decoder.from_model(loaded, len(ids) + max_new_tokens, torch.int8 if kv_cache == "int8" else None)
+        out, stats = generate(decoder, ids, max_new_tokens, sampling, eos_token_id=tokenizer.eos_token_id)
+    except (*_user_errors(), DecodeError, ValueError) as err:
+        _fail(err)
+    Console().print(tokenizer.decode(out[len(ids):], skip_special_tokens=True), markup=False, highlight=False)
+    table = Table(title=f"compound decode: {'greedy' if sampling is None else f'T={temperature}'}, KV cache {kv_cache}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_row("prompt tokens", str(len(ids)))
+    table.add_row("new tokens", str(stats.new_tokens))
+    table.add_row("forward passes", str(stats.target_forwards))
+    table.add_row("wall time (prefill + decode)", f"{stats.total_s:.2f} s")
+    table.add_row("tokens/s", f"{stats.tokens_per_s:.1f}")
+    Console().print(table)
+
+
+def _chat_prompt(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as one user turn with the generation prompt, or plain ids without a chat template."""
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False))
+    return tokenizer(text)["input_ids"]

@@ -70,10 +70,11 @@ class LayerActivations:
         return self._factors[key]
 
     def divide(self, key: str, scales: torch.Tensor) -> None:
-        """The input ``key`` after its producer's output was divided by ``scales`` [K]."""
+        """The input ``key`` after its producer's output was divided by ``scales`` [K]. A gram factor R already
+        computed is divided too: R·diag(s)⁻¹ factors diag(s)⁻¹·XᵀX·diag(s)⁻¹ exactly."""
         self.X[key] = self.X[key] / scales
         if key in self._factors:
-            self._factors[key] = self._factors[key] / scales  # R·diag(s)⁻¹ factors diag(s)⁻¹·XᵀX·diag(s)⁻¹ exactly
+            self._factors[key] = self._factors[key] / scales
 
 
 def scale_layer(session: LayerSession) -> LayerActivations:

@@ -17,7 +17,8 @@ from torch import nn
 
 from toolkit.formats import awq, compressed_tensors, gptq
 from toolkit.formats.checkpoint import MANIFEST
-from toolkit.runtime.quant_linear import QuantLinear
+from toolkit.quant.kv_cache import SCALE_NAMES as KV_SCALE_NAMES
+from toolkit.runtime.quant_linear import QuantLinear, backend_problem
 
 LAYOUTS: dict[str, ModuleType] = {layout.NAME: layout for layout in (gptq, awq, compressed_tensors)}
 _QUANT_SUFFIXES = {s for layout in LAYOUTS.values() for s in layout.SUFFIXES + getattr(layout, "OPTIONAL_SUFFIXES", ())}
@@ -37,8 +38,15 @@ class _Scheme:
     required: tuple[str, ...]  # suffixes every quantized linear must have
 
 
-def load_quantized(directory: Path | str, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, object]:
-    """(model, tokenizer) from a GPTQ, AWQ or compressed-tensors checkpoint; float tensors are cast to ``dtype``."""
+def load_quantized(directory: Path | str, dtype: torch.dtype = torch.float32,
+                   backend: str = "auto") -> tuple[nn.Module, object]:
+    """(model, tokenizer) from a GPTQ, AWQ or compressed-tensors checkpoint; float tensors are cast to ``dtype``.
+
+    backend: how the ``QuantLinear`` modules multiply, ``auto`` | ``reference`` | ``cpu-int4`` | ``triton``
+    (``toolkit.runtime.quant_linear``); an explicit backend that cannot run this checkpoint is refused here.
+    KV-cache scales (``…self_attn.k_scale`` / ``.v_scale``) become buffers of the attention modules
+    (``toolkit.quant.kv_cache.decode_scales`` reads them back per layer).
+    """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -50,6 +58,9 @@ def load_quantized(directory: Path | str, dtype: torch.dtype = torch.float32) ->
     if quant is None:
         raise CheckpointError(f"{directory} holds no quantization_config; load it as a float model instead")
     scheme = _scheme(directory, quant if isinstance(quant, dict) else quant.to_dict())
+    problem = backend_problem(backend, scheme.bits, scheme.group_size)  # widths are checked per linear below
+    if problem:
+        raise CheckpointError(f"{directory}: {problem}; load it with backend='reference' or 'auto'")
     del config.quantization_config
     state = {}
     for shard in sorted(directory.glob("*.safetensors")):
@@ -59,7 +70,10 @@ def load_quantized(directory: Path | str, dtype: torch.dtype = torch.float32) ->
     marker = "." + scheme.layout.SUFFIXES[0]  # qweight / weight_packed: present exactly on quantized linears
     for name in sorted(k.removesuffix(marker) for k in state if k.endswith(marker)):
         setattr(model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2],
-                _quant_linear(directory, scheme, name, model.get_submodule(name), state))
+                _quant_linear(directory, scheme, name, model.get_submodule(name), state, backend))
+    for name in [k for k in state if k.rpartition(".")[2] in KV_SCALE_NAMES]:  # KV-cache scales: self_attn buffers
+        module, _, attr = name.rpartition(".")
+        model.get_submodule(module).register_buffer(attr, torch.empty_like(state[name], device="meta"))
     state = {k: (v.to(dtype) if v.is_floating_point() and not _is_quant_buffer(k) else v) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
@@ -104,7 +118,8 @@ def _scheme(directory: Path, quant: dict) -> _Scheme:
     return _Scheme(compressed_tensors, weights["num_bits"], weights.get("group_size") or -1, required)
 
 
-def _quant_linear(directory: Path, scheme: _Scheme, name: str, linear: nn.Module, state: dict) -> QuantLinear:
+def _quant_linear(directory: Path, scheme: _Scheme, name: str, linear: nn.Module, state: dict,
+                  backend: str) -> QuantLinear:
     """A ``QuantLinear`` with empty (meta) buffers shaped like ``name``'s tensors in ``state``, for loading into."""
     suffixes = scheme.layout.SUFFIXES + getattr(scheme.layout, "OPTIONAL_SUFFIXES", ())
     packed = {s: torch.empty_like(state[f"{name}.{s}"], device="meta") for s in suffixes if f"{name}.{s}" in state}
@@ -112,8 +127,11 @@ def _quant_linear(directory: Path, scheme: _Scheme, name: str, linear: nn.Module
     if absent:
         raise CheckpointError(f"{directory}: {name} has {scheme.layout.SUFFIXES[0]} but no {', '.join(absent)}")
     bias = None if linear.bias is None else torch.empty(linear.out_features, device="meta")
-    return QuantLinear(scheme.layout, linear.in_features, linear.out_features, scheme.bits, scheme.group_size,
-                       packed, bias)
+    try:
+        return QuantLinear(scheme.layout, linear.in_features, linear.out_features, scheme.bits, scheme.group_size,
+                           packed, bias, backend)
+    except ValueError as err:  # an explicit backend this linear's width rules out (per-channel cpu-int4)
+        raise CheckpointError(f"{directory}: {name}: {err}") from None
 
 
 def _is_quant_buffer(name: str) -> bool:

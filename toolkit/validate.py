@@ -1,0 +1,312 @@
+"""The ``validate`` verb: is a quantized checkpoint intact, does every runtime path compute the same model, and how
+will serving engines run it?
+
+1. Bytes: every file's SHA-256 against the ``compound.json`` manifest written with the checkpoint; a changed or
+   missing file stops the run (``ChecksumError``, naming the files) before anything loads.
+2. Numerics: held-out tokens (``eval_windows``, one window per forward, so each linear sees ``seq_len`` rows) run
+   through the model with every ``QuantLinear`` on the reference path (dequantize-then-matmul, fp32: the oracle),
+   then on each faster path, compared by the largest |Δ logit| and top-1 agreement at every position:
+
+   - cpu-int4: every linear, every window (torch's int4 op, bf16 compute); passes with top-1 agreement ≥ 0.9 and
+     max |Δ logit| ≤ 10 % of max |logit|.
+   - triton: on CUDA, every linear and every window; on CPU, Triton's interpreter in a child process, on the linears
+     of the first ``triton_layers`` decoder layers (default 1, the others on the reference) and the first
+     ``triton_tokens`` (default 16) tokens of window 0. fp32 in, fp32 accumulation, so only the summation order
+     differs: passes with top-1 ≥ 0.999 and max |Δ logit| ≤ 0.1 % of max |logit|.
+
+   The CPU interpreter runs each kernel program in numpy: one SmolLM2-135M decoder layer at 16 tokens takes about
+   20 s, the whole model about 10 minutes, hence the default of one layer; it still reads that layer's packed
+   tensors through the same kernel a GPU compiles, so a layout or nibble-order error shows in the logits. It runs
+   in a child process because Triton decides compiled-vs-interpreted once, when ``triton.language`` is first
+   imported (``TRITON_INTERPRET=1``): setting it here would be too late, or change every later Triton use here.
+   The cpu-int4 tolerance: the op rounds every linear's input to bf16 (8 significant bits), which on SmolLM2-135M
+   (30 layers, RTN W4 g64, 2×64 tokens) moved the logits by at most 3.9 % of their range and flipped 4 of 128
+   top-1 tokens; a wrong nibble order or group index turns logits to noise (top-1 near chance).
+3. Serving preview: which vLLM method and kernel the checkpoint gets (FORMATS.md §6), on GPU and on vLLM's CPU
+   backend, and the exact ``vllm serve`` / SGLang ``launch_server`` command lines (no ``--quantization``: engines
+   detect it, and forcing it takes the slow path, FORMATS.md §12 item 7).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from toolkit.formats.checkpoint import MANIFEST, verify_manifest
+from toolkit.runtime.load import CheckpointError
+
+CPU_INT4_TOLERANCE = (0.9, 0.1)  # (min top-1 agreement, max |Δ logit| / max |logit|)
+TRITON_TOLERANCE = (0.999, 1e-3)
+INTERPRETER_LAYERS, INTERPRETER_TOKENS = 1, 16  # Triton on CPU: see the module docstring
+MARLIN_GROUP_SIZES = (-1, 32, 64, 128)  # vLLM marlin_utils.MARLIN_SUPPORTED_GROUP_SIZES
+MACHETE_GROUP_SIZES = (-1, 64, 128)  # vLLM machete_utils, fp16/bf16 activations
+
+
+class ChecksumError(CheckpointError):
+    """A checkpoint file whose bytes differ from its manifest."""
+
+
+@dataclass(frozen=True)
+class PathResult:
+    """One runtime path against the reference: ``positions`` logits compared, over ``layers`` decoder layers."""
+
+    path: str
+    positions: int
+    layers: str
+    max_logit_diff: float | None  # None: the path was skipped (see note)
+    relative_diff: float | None  # max |Δ logit| / max |reference logit|
+    top1_agreement: float | None
+    ok: bool
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class ServingPreview:
+    """How vLLM and SGLang will serve the checkpoint (FORMATS.md §6, §13)."""
+
+    quant_method: str
+    scheme: str  # e.g. "4-bit, group 64, symmetric"
+    vllm_gpu: str  # vLLM method → kernel
+    vllm_gpu_why: str
+    vllm_cpu: str
+    vllm_cpu_why: str
+    vllm_command: str
+    vllm_cpu_command: str
+    sglang_command: str
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ValidationReport:
+    directory: str
+    manifest_files: int  # files whose hash was checked (0: no manifest)
+    tokens: int  # held-out positions compared per full path
+    paths: list[PathResult]
+    serving: ServingPreview
+
+    @property
+    def ok(self) -> bool:
+        return all(p.ok for p in self.paths) and not self.serving.problems
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ok": self.ok}
+
+
+def validate(directory: Path | str, *, dataset: str = "sharegpt", windows: int = 2, seq_len: int = 64,
+             triton_layers: int | None = None, triton_tokens: int | None = None) -> ValidationReport:
+    """Check ``directory``'s bytes, run its held-out tokens on every runtime path, and preview serving.
+
+    triton_layers / triton_tokens: decoder layers whose linears run the Triton kernel, and tokens of window 0 that
+    run it (None: everything on CUDA; 1 layer and 16 tokens under the CPU interpreter). Raises ``ChecksumError``
+    when a file changed, ``CheckpointError`` for a directory that is not a quantized checkpoint.
+    """
+    from toolkit.calibration import eval_windows
+    from toolkit.runtime.load import load_quantized
+    from toolkit.runtime.quant_linear import CPU_INT4_MAX_ROWS, QuantLinear, backend_problem, set_backend
+
+    directory = Path(directory)
+    checked = _check_manifest(directory)  # 1
+    if seq_len > CPU_INT4_MAX_ROWS:
+        raise ValueError(f"seq_len {seq_len} is above the {CPU_INT4_MAX_ROWS} rows up to which the cpu-int4 path runs "
+                         f"torch's int4 op (above, it runs the reference and would compare it with itself); "
+                         f"pass --seq-len {CPU_INT4_MAX_ROWS} or less")
+    model, tokenizer = load_quantized(directory, torch.float32, backend="reference")  # 2
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    tokens = eval_windows(tokenizer, dataset, windows, seq_len)  # (windows, seq_len)
+    reference = _logits(model, tokens)
+    paths = []
+    for path in ("cpu-int4", "triton"):  # a checkpoint neither runs (e.g. 8-bit) is served by the reference alone
+        problem = next(filter(None, (backend_problem(path, m.bits, m.group_size, m.in_features) for m in linears)), None)
+        if problem:
+            paths.append(PathResult(path, 0, "-", None, None, None, True, f"skipped: {problem}"))
+        elif path == "cpu-int4":
+            set_backend(model, "cpu-int4")
+            paths.append(_compare("cpu-int4", _logits(model, tokens), reference, "all", CPU_INT4_TOLERANCE))
+            set_backend(model, "reference")
+        else:
+            paths.append(_triton_path(directory, model, tokens, triton_layers, triton_tokens))
+    serving = serving_preview(directory, [(m.in_features, m.out_features) for m in linears])  # 3
+    return ValidationReport(str(directory), checked, tokens.numel(), paths, serving)
+
+
+def _check_manifest(directory: Path) -> int:
+    """How many files the manifest lists, all intact; raises ``ChecksumError`` naming the ones that changed."""
+    if not (directory / MANIFEST).is_file():
+        return 0
+    changed = verify_manifest(directory)
+    if changed:
+        raise ChecksumError(
+            f"{directory}: {', '.join(changed)} changed since the checkpoint was written (SHA-256 differs from "
+            f"{MANIFEST}, or the file is missing); copy the checkpoint again or re-run compound quantize")
+    return len(json.loads((directory / MANIFEST).read_text()).get("files", {}))
+
+
+@torch.inference_mode()
+def _logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """Float32 logits [windows, T, vocab], one window per forward (each linear sees T rows)."""
+    return torch.cat([model(window[None]).logits.float() for window in tokens])
+
+
+def _compare(path: str, got: torch.Tensor, reference: torch.Tensor, layers: str, tolerance: tuple[float, float],
+             note: str = "") -> PathResult:
+    diff = (got - reference).abs().max().item()
+    relative = diff / reference.abs().max().clamp_min(1e-30).item()
+    top1 = (got.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    ok = top1 >= tolerance[0] and relative <= tolerance[1]
+    return PathResult(path, reference.shape[0] * reference.shape[1], layers, diff, relative, top1, ok, note)
+
+
+def _triton_path(directory: Path, model, tokens: torch.Tensor, layers: int | None, count: int | None) -> PathResult:
+    from toolkit.models import decoder_layers
+    from toolkit.runtime.quant_linear import set_backend
+
+    total = len(decoder_layers(model))
+    if torch.cuda.is_available():
+        layers, count = layers or total, count or tokens.shape[1]
+        subset = tokens[:, :count]
+        model.cuda()
+        reference = _logits(model, subset.cuda()).cpu()
+        for layer in decoder_layers(model)[:layers]:
+            set_backend(layer, "triton")
+        got = _logits(model, subset.cuda()).cpu()
+        set_backend(model, "reference")
+        model.cpu()
+        note = "compiled, CUDA"
+    else:
+        layers, count = layers or INTERPRETER_LAYERS, count or INTERPRETER_TOKENS
+        subset = tokens[:1, :count]
+        reference = _logits(model, subset)
+        got = _interpreted_triton_logits(directory, subset, layers)
+        note = "Triton CPU interpreter (child process)"
+    which = "all" if layers >= total else ("0" if layers == 1 else f"0–{layers - 1}")
+    return _compare("triton", got, reference, which, TRITON_TOLERANCE, f"{note}; other layers on the reference")
+
+
+def _interpreted_triton_logits(directory: Path, tokens: torch.Tensor, layers: int) -> torch.Tensor:
+    with tempfile.TemporaryDirectory() as tmp:
+        tokens_path, logits_path = Path(tmp) / "tokens.pt", Path(tmp) / "logits.pt"
+        torch.save(tokens, tokens_path)
+        code = "import sys; from toolkit.validate import _triton_child; _triton_child(*sys.argv[1:])"
+        proc = subprocess.run([sys.executable, "-c", code, str(directory), str(tokens_path), str(layers), str(logits_path)],
+                              env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"the Triton interpreter run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        return torch.load(logits_path)
+
+
+def _triton_child(directory: str, tokens_path: str, layers: str, logits_path: str) -> None:
+    """Child-process entry: logits with the first ``layers`` decoder layers on the (interpreted) Triton kernels."""
+    from toolkit.kernels._launch import interpreting
+    from toolkit.kernels.w4a16_gptq import _gptq_kernel
+    from toolkit.models import decoder_layers
+    from toolkit.runtime.load import load_quantized
+    from toolkit.runtime.quant_linear import set_backend
+
+    if not interpreting(_gptq_kernel):
+        raise RuntimeError("TRITON_INTERPRET=1 did not reach Triton in the child process")
+    model, _ = load_quantized(directory, torch.float32, backend="reference")
+    for layer in decoder_layers(model)[: int(layers)]:
+        set_backend(layer, "triton")
+    torch.save(_logits(model, torch.load(tokens_path)), logits_path)
+
+
+# ---- serving preview (FORMATS.md §6, §13) --------------------------------------------------------------------------
+
+
+def serving_preview(directory: Path | str, shapes: list[tuple[int, int]]) -> ServingPreview:
+    """vLLM's method and kernel for the checkpoint in ``directory`` and the serve commands; ``shapes`` lists every
+    quantized linear's (in_features, out_features)."""
+    config = json.loads((Path(directory) / "config.json").read_text())
+    q = config["quantization_config"]
+    method = q["quant_method"]
+    bits, group_size, sym, zero_point, desc_act = _numerics(q)
+    problems = [f"{K}-wide input is not a multiple of group_size {group_size} (vLLM checks every linear)"
+                for K, _ in sorted(set(shapes)) if group_size != -1 and K % group_size]
+
+    vllm_gpu, why = _vllm_gpu(method, bits, group_size, sym, zero_point, desc_act, q)
+    cpu_problems = ([f"{bits}-bit weights (its kernel runs 4-bit only)"] if bits != 4 else []) + \
+        ([f"odd group size {group_size}"] if group_size != -1 and group_size % 2 else []) + \
+        [f"a {K}→{N} linear (widths must be multiples of 32)" for K, N in sorted(set(shapes)) if K % 32 or N % 32]
+    if vllm_gpu == "refused":
+        cpu_problems.insert(0, "the quantization config itself is refused (see GPU)")
+    if cpu_problems:
+        vllm_cpu, cpu_why = "none", "vLLM's CPU backend refuses it: " + "; ".join(cpu_problems)
+    else:
+        vllm_cpu = "CPUWNA16LinearKernel"
+        cpu_why = ("4-bit, even group, widths multiples of 32; fp16/bf16 activations only (fp32 fails); "
+                   "VLLM_CPU_INT4_W4A8=0 keeps true W4A16 (else AMX CPUs quantize bf16 activations to int8)")
+
+    saved = str(config.get("torch_dtype") or config.get("dtype") or "float16")
+    dtype = saved if saved in ("float16", "bfloat16") else "float16"  # the W4A16 kernels take half activations only
+    path = str(directory)
+    return ServingPreview(
+        quant_method=method,
+        scheme=f"{bits}-bit, {'per-channel' if group_size == -1 else f'group {group_size}'}, "
+               f"{'symmetric' if sym else 'asymmetric (zero points)'}, act-order {'dynamic' if desc_act else 'off/static'}",
+        vllm_gpu=vllm_gpu, vllm_gpu_why=why, vllm_cpu=vllm_cpu, vllm_cpu_why=cpu_why,
+        vllm_command=f"vllm serve {path} --dtype {dtype}",
+        vllm_cpu_command=f"VLLM_CPU_INT4_W4A8=0 vllm serve {path} --dtype {dtype}",
+        sglang_command=f"python -m sglang.launch_server --model-path {path} --dtype {dtype}",
+        problems=problems,
+    )
+
+
+def _numerics(q: dict) -> tuple[int, int, bool, bool, bool]:
+    """(bits, group_size, symmetric, zero_point, dynamic act-order) from any of the three configs."""
+    if q["quant_method"] == "compressed-tensors":
+        w = next(iter(q["config_groups"].values()))["weights"]
+        sym = bool(w.get("symmetric", True))
+        return w["num_bits"], w.get("group_size") or -1, sym, not sym, w.get("actorder") == "group"
+    bits = q.get("bits", q.get("w_bit"))
+    group_size = q.get("group_size", q.get("q_group_size"))
+    if q["quant_method"] == "awq":
+        return bits, group_size, False, bool(q.get("zero_point", False)), False
+    return bits, group_size, bool(q.get("sym", False)), not q.get("sym", False), bool(q.get("desc_act", False))
+
+
+def _fast_kernel(group_size: int) -> str:
+    """The mixed-precision kernel vLLM's chooser lands on for a Marlin-compatible layer."""
+    if group_size in MACHETE_GROUP_SIZES:
+        return "Marlin (Machete on Hopper, sm90)"
+    return "Marlin (Machete needs g ∈ {-1, 64, 128})"
+
+
+def _vllm_gpu(method: str, bits: int, group_size: int, sym: bool, zero_point: bool, desc_act: bool,
+              q: dict) -> tuple[str, str]:
+    """(vLLM method → kernel, why) on a CUDA GPU, per FORMATS.md §6 (vLLM 0.32)."""
+    marlin_group = group_size in MARLIN_GROUP_SIZES
+    if method == "gptq":
+        missing = [k for k in ("bits", "group_size", "sym", "desc_act") if k not in q]
+        if missing:
+            return "refused", (f"keys {missing} missing: vLLM 0.32 requires them (older releases fall back to the "
+                               "fp16-only ExLlama path, FORMATS.md §12 item 1)")
+        if not sym:
+            return "refused", "vLLM 0.32 loads GPTQ only symmetric ('Unsupported quantization config: sym=False')"
+        if bits not in (4, 8):
+            return "refused", f"vLLM 0.32 GPTQ type map is 4- and 8-bit symmetric; this has {bits}"
+        if desc_act and group_size != -1:
+            return "refused", "desc_act with groups is no longer supported; re-quantize with static groups"
+        if not marlin_group:
+            return "gptq_marlin → ExLlama/Triton fallback", f"group {group_size} is not a Marlin group size {MARLIN_GROUP_SIZES}"
+        return f"gptq_marlin → {_fast_kernel(group_size)}", \
+            f"GPTQ {'uint4b8' if bits == 4 else 'uint8b128'} (sym {bits}-bit), g{group_size}, every key present"
+    if method == "awq":
+        if bits != 4:
+            return "refused", f"vLLM's AWQ is 4-bit only; this has {bits}"
+        if not zero_point:
+            return "awq → AWQ GEMM", "zero_point false keeps AWQ off Marlin (it pairs uint4 with zero points)"
+        if not marlin_group:
+            return "awq → AWQ GEMM", f"group {group_size} is not a Marlin group size {MARLIN_GROUP_SIZES}"
+        return f"awq_marlin → {_fast_kernel(group_size)}", f"AWQ uint4 + zero points, g{group_size}, zero_point true"
+    if not marlin_group:
+        return "compressed-tensors WNA16 → Triton/ExLlama fallback", \
+            f"group {group_size} is not a Marlin group size {MARLIN_GROUP_SIZES}"
+    kind = f"uint{bits}b{1 << (bits - 1)}" if sym else f"uint{bits} + zero points"
+    return f"compressed-tensors WNA16 → {_fast_kernel(group_size)}", f"pack-quantized {kind}, g{group_size}"
