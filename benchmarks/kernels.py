@@ -24,9 +24,14 @@ import statistics
 import time
 from pathlib import Path
 
+import sys
+
 import torch
 
-from toolkit.runtime.cpu_int4 import int4_mm_cpu, prepare_int4_cpu
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import update_section  # noqa: E402
+
+from toolkit.runtime.cpu_int4 import int4_mm_cpu, prepare_int4_cpu  # noqa: E402
 
 # (linear, in_features K, out_features N); q/o and k/v and gate/up share shapes.
 SHAPES = {
@@ -189,24 +194,6 @@ def cuda_markdown(rows: list[dict], peak: float, source: str) -> str:
     ])
 
 
-# ---- BENCHMARKS.md ----------------------------------------------------------------------------------------------
-
-
-def write_section(markdown: str, path: str | Path = "BENCHMARKS.md", heading: str = "## Kernels") -> None:
-    """Replace the ``heading`` section of ``path`` (up to the next ``## `` heading) with ``markdown``, or append it;
-    every other section is left as it is."""
-    path = Path(path)
-    lines = path.read_text().splitlines() if path.exists() else []
-    section = [heading, "", *markdown.splitlines(), ""]
-    if heading in lines:
-        start = lines.index(heading)
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        lines[start:end] = section
-    else:
-        lines += ([""] if lines and lines[-1] else []) + section
-    path.write_text("\n".join(lines).rstrip("\n") + "\n")
-
-
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -224,10 +211,14 @@ def main(argv: list[str] | None = None) -> str:
     if torch.cuda.is_available():
         peak, source = _peak_gbps()
         parts.append(cuda_markdown(bench_cuda(args.models, args.m, peak), peak, source))
+    else:
+        parts.append("GPU: no CUDA device in this run (none was lent to the task that wrote it), so the Triton "
+                     "kernels' GPU table is still to be measured; they are tested under TRITON_INTERPRET=1.")
+    parts.insert(0, f"Command: `python benchmarks/kernels.py {' '.join(argv if argv is not None else sys.argv[1:])}`")
     markdown = "\n\n".join(parts)
     print(markdown)
     if args.write:
-        write_section(markdown, args.write)
+        update_section("Kernels", markdown, Path(args.write))
     return markdown
 
 

@@ -25,7 +25,8 @@ def test_good_checkpoint_passes_with_every_path_agreeing(checkpoint):
     assert report.ok, report.to_dict()
     assert report.manifest_files >= 5 and report.tokens == 128
     paths = {p.path: p for p in report.paths}
-    assert set(paths) == {"cpu-int4", "triton"}
+    assert set(paths) == {"cpu-int4", "triton", "decode loop"}
+    assert paths["decode loop"].ok and paths["decode loop"].top1_agreement == 1.0  # identical greedy tokens
     assert paths["cpu-int4"].positions == 128 and paths["cpu-int4"].relative_diff < 0.02
     assert paths["triton"].layers == "all" and paths["triton"].relative_diff < 1e-5
     assert paths["triton"].top1_agreement == 1.0
@@ -61,7 +62,8 @@ def test_flipped_byte_fails_naming_the_file(checkpoint, tmp_path):
 def test_paths_a_checkpoint_cannot_take_are_skipped_and_long_windows_refused(tmp_path, tiny_llama_dir, checkpoint):
     w8 = quantize(str(tiny_llama_dir), RTNConfig(bits=8, group_size=32), tmp_path / "w8").output
     report = validate(w8, windows=1, seq_len=32)
-    assert report.ok and all(p.note.startswith("skipped") and p.max_logit_diff is None for p in report.paths)
+    kernels = [p for p in report.paths if p.path != "decode loop"]
+    assert report.ok and all(p.note.startswith("skipped") and p.max_logit_diff is None for p in kernels)
     assert report.serving.vllm_cpu == "none"  # vLLM's CPU kernel is 4-bit only
     with pytest.raises(ValueError, match="pass --seq-len 256 or less"):
         validate(checkpoint, seq_len=512)

@@ -132,8 +132,23 @@ def validate(directory: Path | str, *, dataset: str = "sharegpt", windows: int =
             set_backend(model, "reference")
         else:
             paths.append(_triton_path(directory, model, tokens, triton_layers, triton_tokens))
+    paths.append(_decode_path(model, tokens[0, :32]))
     serving = serving_preview(directory, [(m.in_features, m.out_features) for m in linears])  # 3
     return ValidationReport(str(directory), checked, tokens.numel(), paths, serving)
+
+
+def _decode_path(model, prompt: torch.Tensor, new_tokens: int = 16) -> PathResult:
+    """compound's decode loop (static KV cache) against transformers' ``generate``, greedy, on the reference path:
+    the loop that measures speculative decoding must produce exactly the model's own tokens."""
+    from toolkit.decode import Decoder, generate
+
+    ours, stats = generate(Decoder.from_model(model, prompt.numel() + new_tokens), prompt, new_tokens)
+    with torch.inference_mode():
+        theirs = model.generate(prompt[None], max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)[0]
+    same = int((ours == theirs).long().cumprod(0).sum()) - prompt.numel()
+    return PathResult("decode loop", new_tokens, "all", None, None, same / new_tokens, same == new_tokens,
+                      f"greedy: {same}/{new_tokens} tokens identical to transformers.generate, "
+                      f"{stats.tokens_per_s:.1f} tok/s")
 
 
 def _check_manifest(directory: Path) -> int:
