@@ -1,0 +1,67 @@
+"""The claim each method exists for, on the real model: SmolLM2-135M-Instruct at W4 g64, held-out perplexity.
+
+Each method quantizes a freshly loaded float model in process (the engine puts the dequantized weights in place), on
+16×256 ShareGPT calibration tokens, and is scored on the same 8×256 held-out windows. One float model is alive at a
+time. All four use the asymmetric grid, so the ordering measures the method and not the grid.
+
+Measured when written (CPU, torch 2.13): float 23.79; RTN 30.02; GPTQ 29.39; AWQ 27.40; AWQ+GPTQ 26.93. With the
+symmetric grid GPTQ does not beat RTN here (33.88 against 32.36; with act_order 33.13), and AWQ+GPTQ falls to 33.30.
+Cost, single-threaded CPU seconds: load 14 per model, eval 7 each, quantize RTN < 5, GPTQ 42, AWQ 87, AWQ+GPTQ 113
+(AWQ's scale search runs the attention and MLP blocks 20 times a layer: ``max_tokens`` 1024 keeps it to a quarter of
+the default 4096, which moved AWQ's perplexity from 27.26 to 27.40).
+"""
+
+import pytest
+
+from toolkit.calibration import calibration_batch, eval_windows
+from toolkit.engine import quantize_layers
+from toolkit.evaluate.perplexity import perplexity
+from toolkit.methods import driver_for
+from toolkit.models import load_model, load_tokenizer
+from toolkit.quant.configs import AWQConfig, AWQGPTQConfig, GPTQConfig, RTNConfig
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+COMMON = dict(bits=4, group_size=64, sym=False)
+CONFIGS = {
+    "rtn": RTNConfig(**COMMON),
+    "gptq": GPTQConfig(**COMMON),
+    "awq": AWQConfig(**COMMON, max_tokens=1024),
+    "awq+gptq": AWQGPTQConfig(**COMMON, max_tokens=1024),
+}
+
+
+def _quantized_perplexity(config, tokens, windows, scores):
+    """Load the float model, score it once (first call only), quantize it with ``config``, score it again."""
+    model = load_model(MODEL)
+    if "float" not in scores:
+        scores["float"] = perplexity(model, windows).perplexity
+    calibration = tokens if config.needs_activations else None
+    quantize_layers(model, config, driver_for(config.method), calibration, sink=lambda *a: None)
+    scores[config.method] = perplexity(model, windows).perplexity
+
+
+@pytest.fixture(scope="module")
+def scores():
+    tokenizer = load_tokenizer(MODEL)
+    tokens = calibration_batch(tokenizer, "sharegpt", samples=16, seq_len=256, seed=0)
+    windows = eval_windows(tokenizer, "sharegpt", windows=8, seq_len=256)
+    scores = {}
+    for config in CONFIGS.values():
+        _quantized_perplexity(config, tokens, windows, scores)  # the model is freed before the next one loads
+    print("\nheld-out perplexity, W4 g64 asymmetric:", {k: round(v, 2) for k, v in scores.items()})
+    return scores
+
+
+def test_gptq_beats_rtn(scores):
+    assert scores["float"] < scores["gptq"] < scores["rtn"], scores
+
+
+def test_awq_beats_rtn(scores):
+    assert scores["float"] < scores["awq"] < scores["rtn"], scores
+
+
+def test_awq_gptq_beats_rtn_and_gptq(scores):
+    """Reported next to the others; asserted only where the margin is wide (against AWQ alone it was 1.7%)."""
+    assert scores["float"] < scores["awq+gptq"] < scores["gptq"] < scores["rtn"], scores
