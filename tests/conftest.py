@@ -17,6 +17,16 @@ from toolkit.models import embedded_gguf  # noqa: E402
 SMOL_VOCAB = 49152
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Torch on one thread for a module of tiny-tensor tests: with 2 busy cores, tiny matmuls spend their time in
+    OpenMP barriers (100x slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smol_tokenizer():
     """SmolLM2-135M-Instruct's tokenizer (with its chat template), read from the embedded GGUF; ~5 s, once."""

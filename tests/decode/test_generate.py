@@ -10,13 +10,7 @@ from toolkit.decode import Decoder, SamplingConfig, generate
 from toolkit.decode.sampling import probs
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls on shared cores spend their time in OpenMP barriers (100x slower with 2 busy threads)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_greedy_equals_transformers_generate():

@@ -12,13 +12,7 @@ FAMILIES = ["llama", "qwen2", "mistral", "gemma", "qwen3"]
 VOCAB = 256
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls on shared cores spend their time in OpenMP barriers (100x slower with 2 busy threads)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def spread(model, logit_scale=40.0):

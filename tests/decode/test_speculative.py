@@ -15,13 +15,7 @@ VOCAB = 512
 PROMPT = torch.tensor([3, 17, 101, 9, 250, 44, 7, 300])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls on shared cores spend their time in OpenMP barriers (100x slower with 2 busy threads)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_model(seed, vocab=VOCAB, logit_scale=40.0, layers=2):
