@@ -228,3 +228,26 @@ def test_verify_with_sampled_siblings_keeps_the_distribution():
         counts[int(children[path[0]]) if path else token] += 1
     expected = probs(p_logits[0], sampling) * draws
     assert chi_square_p_value(counts, expected) > 1e-3
+
+
+@pytest.mark.slow
+def test_smollm2_with_its_own_w4_quantization_as_draft_is_lossless(smol_tokenizer):
+    """A real small draft model: SmolLM2 quantized to RTN W4 g64 drafts for the float SmolLM2. Greedy speculative
+    output must equal the target's own greedy output, and a draft this close is accepted most of the time."""
+    from toolkit.engine import quantize_layers
+    from toolkit.methods import driver_for
+    from toolkit.models import load_model
+    from toolkit.quant.configs import RTNConfig
+
+    target, draft = load_model("smollm2-135m"), load_model("smollm2-135m")
+    quantize_layers(draft, RTNConfig(group_size=64), driver_for("rtn"), None, lambda *a: None)
+    messages = [{"role": "user", "content": "List three uses of a paperclip."}]
+    prompt = smol_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    prompt = torch.as_tensor(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)[0]
+    n = 24
+    expected, _ = generate(Decoder.from_model(target, prompt.numel() + n), prompt, n)
+    drafter = ModelDrafter(Decoder.from_model(draft, prompt.numel() + n + 8), k=3)
+    ids, stats = speculative_generate(Decoder.from_model(target, prompt.numel() + n + 8), drafter, prompt, n)
+    print(f"\nW4 draft for float SmolLM2: mean accepted length {stats.mean_accepted_length:.2f}")
+    assert torch.equal(ids[: expected.numel()], expected)
+    assert stats.mean_accepted_length > 2.0
