@@ -30,8 +30,9 @@ def parse_args(tool: str) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--damp", type=float, default=None,
                     help="GPTQ dampening fraction; default: the tool's own default")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="dtype the model is loaded/quantized in and the dequantized copy is saved in")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                    help="dtype the model is loaded/quantized in (default float32, except GPTQModel "
+                         "AWQ: bfloat16); the dequantized copy is always saved in float32")
     ap.add_argument("--drop-quantized", action="store_true",
                     help="delete the tool's own packed checkpoint (--out/quantized, GPTQModel only) "
                          "after dequantizing (default: kept)")

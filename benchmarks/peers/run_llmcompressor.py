@@ -36,6 +36,7 @@ import _common as C  # noqa: E402
 
 args = C.parse_args("llm-compressor")
 C.setup_threads(args.threads)
+args.dtype = args.dtype or "float32"
 
 import os  # noqa: E402
 import shutil  # noqa: E402
@@ -144,7 +145,7 @@ def main() -> None:
     ddir = out / "dequantized"
     if ddir.exists():
         shutil.rmtree(ddir)
-    C.save_dense(model_dir, sd, ddir, args.dtype)
+    C.save_dense(model_dir, sd, ddir, "float32")
     dequant_s = round(time.perf_counter() - t_d, 3)
     grid = C.grid_check(ddir, model_dir, args.bits, args.group_size)
 
