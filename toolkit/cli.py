@@ -196,7 +196,10 @@ def evaluate(
 
 @app.command()
 def validate(
-    model: Path = typer.Option(..., help="A quantized checkpoint directory (GPTQ, AWQ or compressed-tensors)."),
+    model: str = typer.Option(..., help="A quantized checkpoint directory (GPTQ, AWQ or compressed-tensors); with --heads, the target model (any model spec)."),
+    heads: Optional[Path] = typer.Option(None, help="A draft-head directory (from train-heads): measure its accepted length on --model instead."),
+    prompts: int = typer.Option(8, help="With --heads: held-out prompts decoded."),
+    max_new_tokens: int = typer.Option(64, help="With --heads: tokens generated per prompt."),
     dataset: str = typer.Option("sharegpt", help="Held-out source (its eval split)."),
     windows: int = typer.Option(2, help="Held-out windows run on every path."),
     seq_len: int = typer.Option(64, help="Tokens per window (at most 256, where cpu-int4 hands over to the reference)."),
@@ -204,8 +207,13 @@ def validate(
     triton_tokens: Optional[int] = typer.Option(None, help="Tokens of window 0 run on Triton (default: all on CUDA, 16 under the CPU interpreter)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the report to this JSON file."),
 ):
-    """Check a checkpoint's hashes, run held-out tokens on every runtime path, and preview how engines serve it."""
+    """Check a checkpoint's hashes, run held-out tokens on every runtime path, and preview how engines serve it;
+    with --heads, measure the heads' accepted length, per-head acceptance and speedup, lossless checked."""
     from toolkit.validate import validate as run_validate
+
+    if heads is not None:
+        _validate_heads(model, heads, prompts, max_new_tokens, json_out)
+        return
 
     try:
         report = run_validate(model, dataset=dataset, windows=windows, seq_len=seq_len,
@@ -242,6 +250,94 @@ def validate(
         console.print("[bold red]validation failed:[/] a runtime path disagrees with the reference, or an engine "
                       "cannot serve the checkpoint (see the tables above)")
         raise typer.Exit(1)
+
+
+def _validate_heads(model: str, heads: Path, prompts: int, max_new_tokens: int, json_out: Optional[Path]) -> None:
+    from toolkit.heads.acceptance import validate_heads
+
+    try:
+        reports = validate_heads(model, heads, prompts, max_new_tokens)
+    except (*_user_errors(), ValueError) as err:
+        _fail(err)
+    table = Table(title=f"heads {heads} drafting for {model}: {prompts} held-out prompts × {max_new_tokens} tokens")
+    for column in ("mode", "nodes", "accepted length", "acceptance per depth", "tokens/s", "greedy tokens/s",
+                   "speedup", "lossless"):
+        table.add_column(column, justify="left" if column in ("mode", "acceptance per depth") else "right")
+    for r in reports:
+        table.add_row(r.mode, str(len(r.paths)), f"{r.mean_accepted_length:.3f}",
+                      " ".join(f"{a:.2f}" for a in r.acceptance_rate), f"{r.speculative_tokens_per_s:.1f}",
+                      f"{r.greedy_tokens_per_s:.1f}", f"{r.speedup:.2f}x",
+                      "yes" if r.lossless else "[bold red]NO[/]")
+    Console().print(table)
+    if json_out:
+        json_out.write_text(json.dumps([r.to_dict() for r in reports], indent=2) + "\n")
+    if not all(r.lossless for r in reports):
+        console.print("[bold red]validation failed:[/] speculative output differs from plain greedy decoding")
+        raise typer.Exit(1)
+
+
+@app.command("train-heads")
+def train_heads(
+    model: str = typer.Option("smollm2-135m", help="Target: alias, local directory, .gguf, Hub id, or a compound checkpoint (train against the model you serve)."),
+    output: Path = typer.Option(..., "--output", "-o", help="Head directory to create."),
+    head: str = typer.Option("medusa", help="Head type: medusa."),
+    num_heads: int = typer.Option(4, help="Heads (tokens drafted beyond the target's own)."),
+    num_layers: int = typer.Option(1, help="Residual blocks per head."),
+    dataset: str = typer.Option("sharegpt", help="Conversations: sharegpt, a .json/.jsonl/.parquet file, or a datasets id (its train split)."),
+    samples: int = typer.Option(1000, help="Conversations trained on."),
+    max_len: int = typer.Option(1024, help="Tokens per example at most."),
+    self_distill: bool = typer.Option(True, "--self-distill/--dataset-answers", help="Answer the first user turns again with the target (default), or train on the dataset's own assistant turns."),
+    distill_tokens: int = typer.Option(256, help="Self-distillation: new tokens per answer at most."),
+    distill_batch: int = typer.Option(16, help="Self-distillation: prompts generated together."),
+    dtype: str = typer.Option("bfloat16", help="Target dtype for self-distillation and hidden states."),
+    online: bool = typer.Option(False, help="Compute hidden states while training instead of caching them."),
+    steps: int = typer.Option(600, help="Optimizer steps."),
+    batch_size: int = typer.Option(8, help="Examples per optimizer step (all ranks together)."),
+    micro_batch_size: int = typer.Option(4, help="Examples per forward on one rank (gradient accumulation makes up the rest)."),
+    lr: float = typer.Option(1e-3, help="Peak learning rate (AdamW, warmup then cosine)."),
+    warmup_steps: int = typer.Option(20, help="Linear warmup steps."),
+    train_dtype: str = typer.Option("bf16", help="Head training precision: bf16 (autocast) | fp32."),
+    eval_every: int = typer.Option(100, help="Steps between acceptance evaluations (and checkpoint selection)."),
+    save_every: int = typer.Option(100, help="Steps between resumable checkpoints."),
+    eval_prompts: int = typer.Option(4, help="Held-out prompts for checkpoint selection."),
+    eval_tokens: int = typer.Option(64, help="Tokens decoded per selection prompt."),
+    select_mode: str = typer.Option("tree", help="Select the checkpoint by accepted length in: tree (compound's loop) | chain (vLLM's)."),
+    layout: str = typer.Option("vllm", help="Export layout: vllm (vLLM's Medusa) | medusa (FasterDecoding's)."),
+    work_dir: Optional[Path] = typer.Option(None, help="Where data, hidden states and training checkpoints go (default: OUTPUT.work); rerun to resume."),
+    seed: int = typer.Option(0, help="Seed for data order and initialisation."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
+    dry_run: bool = typer.Option(False, help="Show one rendered example with its trained tokens highlighted, then stop."),
+):
+    """Train draft heads on the target's own hidden states and export them for vLLM (runs under torchrun too)."""
+    from toolkit.heads.pipeline import HeadsJob
+    from toolkit.heads.pipeline import train_heads as run_train_heads
+    from toolkit.heads.train import TrainConfig
+
+    try:
+        config = TrainConfig(lr=lr, warmup_steps=warmup_steps, max_steps=steps, batch_size=batch_size,
+                             micro_batch_size=micro_batch_size, dtype=train_dtype, eval_every=eval_every,
+                             save_every=save_every, seed=seed)
+        job = HeadsJob(model=model, output=output, head=head, num_heads=num_heads, num_layers=num_layers,
+                       dataset=dataset, samples=samples, max_len=max_len, self_distill=self_distill,
+                       distill_tokens=distill_tokens, distill_batch=distill_batch, dtype=dtype, online=online,
+                       train=config, eval_prompts=eval_prompts, eval_tokens=eval_tokens, select_mode=select_mode,
+                       layout=layout, work_dir=work_dir, overwrite=overwrite)
+        result = run_train_heads(job, console, dry_run=dry_run)
+    except (*_user_errors(), ValueError) as err:
+        _fail(err)
+    if result.output is None:
+        return
+    table = Table(title=f"compound train-heads: {num_heads} {head} heads for {model}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_row("output", str(result.output))
+    table.add_row("examples / tokens / trained tokens", f"{result.examples} / {result.tokens:,} / {result.trained_tokens:,}")
+    table.add_row("best step", str(result.best_step))
+    for key, value in result.best_metrics.items():
+        table.add_row(key, f"{value:.3f}")
+    for key, value in result.seconds.items():
+        table.add_row(f"seconds, {key.replace('_', ' ')}", f"{value:.0f}")
+    Console().print(table)
 
 
 @app.command()

@@ -1,0 +1,77 @@
+"""train-heads end to end on a tiny Llama: self-distilled ShareGPT turns, cached hidden states, a few steps with
+selection by accepted length, an export that reads back, and a rerun that resumes instead of redoing the work."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from toolkit.cli import app
+from toolkit.heads.export import load_medusa
+from toolkit.heads.pipeline import HeadsJob, train_heads
+from toolkit.heads.train import TrainConfig
+
+
+def _job(target, output, **overrides):
+    settings = dict(model=str(target), output=output, num_heads=2, samples=4, max_len=96, distill_tokens=6,
+                    distill_batch=4, dtype="float32", eval_prompts=2, eval_tokens=6,
+                    train=TrainConfig(max_steps=4, batch_size=2, micro_batch_size=1, eval_every=2, save_every=2,
+                                      warmup_steps=1))
+    return HeadsJob(**(settings | overrides))
+
+
+def test_pipeline_trains_selects_and_exports(tiny_llama_dir, tmp_path, one_thread):
+    from rich.console import Console
+
+    job = _job(tiny_llama_dir, tmp_path / "heads")
+    result = train_heads(job, Console(quiet=True))
+    heads = load_medusa(tmp_path / "heads")
+    assert heads.config.num_heads == 2 and heads.config.hidden_size == 64
+    manifest = json.loads((tmp_path / "heads" / "compound.json").read_text())
+    assert json.dumps(manifest).count(str(tiny_llama_dir)) >= 1
+    assert result.examples == 4 and result.best_step in (2, 4) and result.best_metrics["mean_accepted_length"] >= 1
+    distilled = (job.work / "distill.jsonl").read_text().splitlines()
+    assert len(distilled) == 4 and all(json.loads(line)["messages"][-1]["role"] == "assistant" for line in distilled)
+    assert (job.work / "hidden" / "index.json").exists()
+    evals = [json.loads(line) for line in (job.work / "train" / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [2, 4]
+    best = max(evals, key=lambda e: e["mean_accepted_length"])  # the first of equals is kept
+    assert best["step"] == result.best_step
+
+    # A rerun with more steps resumes: nothing is generated or cached again, training continues from step 4.
+    import toolkit.heads.pipeline as pipeline
+
+    calls = []
+    real = pipeline.cache_hidden_states
+    pipeline.cache_hidden_states = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    try:
+        longer = _job(tiny_llama_dir, tmp_path / "heads", overwrite=True,
+                      train=TrainConfig(max_steps=6, batch_size=2, micro_batch_size=1, eval_every=2, save_every=2,
+                                        warmup_steps=1))
+        train_heads(longer, Console(quiet=True))
+    finally:
+        pipeline.cache_hidden_states = real
+    assert calls == []
+    assert [json.loads(line)["step"] for line in (job.work / "train" / "eval.jsonl").read_text().splitlines()] \
+        == [2, 4, 6]
+
+
+def test_refuses_existing_output_and_bad_options(tiny_llama_dir, tmp_path):
+    from rich.console import Console
+
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        train_heads(_job(tiny_llama_dir, tmp_path / "taken"), Console(quiet=True))
+    with pytest.raises(ValueError, match="--head"):
+        _job(tiny_llama_dir, tmp_path / "x", head="hydra")
+    with pytest.raises(ValueError, match="--select-mode"):
+        _job(tiny_llama_dir, tmp_path / "x", select_mode="beam")
+
+
+def test_cli_dry_run_shows_the_trained_tokens(tiny_llama_dir, tmp_path):
+    result = CliRunner().invoke(app, ["train-heads", "--model", str(tiny_llama_dir), "-o", str(tmp_path / "h"),
+                                      "--dry-run", "--samples", "2", "--max-len", "128", "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    assert "tokens trained" in result.output
+    assert not (tmp_path / "h").exists()

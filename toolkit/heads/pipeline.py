@@ -1,0 +1,250 @@
+"""``compound train-heads``: data → hidden states → training with selection by accepted length → export.
+
+    job = HeadsJob(model="smollm2-135m", output=Path("out/smollm2-medusa"), samples=1000)
+    result = train_heads(job, console)
+
+Phases, each resumable by rerunning the same command (the work directory ``<output>.work`` keeps their state):
+
+1. data: the train split of ``dataset``; with ``self_distill`` its first user turns answered again by the target
+   (``work/distill.jsonl``, appended per batch), rendered with the chat template, loss on assistant tokens only;
+2. hidden states: the target (in ``dtype``) run over the examples, cached in ``work/hidden`` (or computed while
+   training with ``online``);
+3. training: ``toolkit.heads.train`` with checkpoints in ``work/train``; every ``eval_every`` steps the heads draft
+   for the float32 target in compound's decode loop on ``eval_prompts`` held-out prompts, and the best by mean
+   accepted length (``select_mode`` tree or chain) is kept;
+4. export: the best heads in ``layout`` (vLLM or original Medusa) with a manifest naming the target and its hash.
+
+The target is loaded once per phase that needs it, never twice at a time, except with ``online`` (the ``dtype``
+copy feeds training while the float32 copy judges acceptance).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from toolkit.formats.checkpoint import sha256_file
+from toolkit.heads import acceptance
+from toolkit.heads.data import build_examples, check_trainable, self_distill, show_example
+from toolkit.heads.export import export_medusa, load_medusa
+from toolkit.heads.hidden_states import (HiddenStateDataset, OnlineHiddenStates, cache_bytes, cache_hidden_states,
+                                         INDEX)
+from toolkit.heads.medusa import MedusaHeads, medusa_loss
+from toolkit.heads.train import TrainConfig, train
+
+HEADS = ("medusa",)
+SELECT_MODES = ("tree", "chain")
+
+
+@dataclass(frozen=True)
+class HeadsJob:
+    """Everything one ``train-heads`` run needs; the CLI fills it from its options."""
+
+    model: str
+    output: Path
+    head: str = "medusa"
+    num_heads: int = 4
+    num_layers: int = 1
+    dataset: str = "sharegpt"
+    samples: int = 1000
+    max_len: int = 1024
+    self_distill: bool = True
+    distill_tokens: int = 256
+    distill_batch: int = 16
+    dtype: str = "bfloat16"
+    online: bool = False
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval_prompts: int = 4
+    eval_tokens: int = 64
+    select_mode: str = "tree"
+    layout: str = "vllm"
+    work_dir: Path | None = None
+    overwrite: bool = False
+
+    def __post_init__(self):
+        if self.head not in HEADS:
+            raise ValueError(f"--head {self.head!r} is not supported; choose one of {', '.join(HEADS)}")
+        if self.select_mode not in SELECT_MODES:
+            raise ValueError(f"--select-mode must be one of {', '.join(SELECT_MODES)}, got {self.select_mode!r}")
+        if self.samples < 1 or self.max_len < 8:
+            raise ValueError(f"need --samples >= 1 and --max-len >= 8, got {self.samples} and {self.max_len}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"--dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+
+    @property
+    def work(self) -> Path:
+        return self.work_dir or self.output.with_name(self.output.name + ".work")
+
+
+@dataclass
+class HeadsResult:
+    output: Path | None
+    examples: int
+    tokens: int
+    trained_tokens: int
+    best_step: int | None = None
+    best_metrics: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)
+
+
+def target_identity(spec: str) -> dict:
+    """The target's name and a SHA-256 that pins its weights: of the GGUF file, of a compound checkpoint's manifest,
+    or of a directory's weight files (hashed in name order)."""
+    from toolkit.models import EMBEDDED, embedded_gguf
+
+    path = embedded_gguf(spec) if spec in EMBEDDED else Path(spec).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return {"name": spec, "sha256": sha256_file(path), "hashed": path.name}
+    if path.is_dir():
+        files = [path / "compound.json"] if (path / "compound.json").exists() else sorted(path.glob("*.safetensors"))
+        digest = hashlib.sha256()
+        for f in files:
+            digest.update(sha256_file(f).encode())
+        return {"name": spec, "sha256": digest.hexdigest(), "hashed": [f.name for f in files]}
+    return {"name": spec, "sha256": None, "hashed": None}
+
+
+def load_target(spec: str, dtype: torch.dtype):
+    """(model, tokenizer): a compound checkpoint through the runtime loader, anything else as a float model."""
+    from toolkit.models import load_model, load_tokenizer
+    from toolkit.runtime.load import load_quantized
+
+    config = Path(spec) / "config.json"
+    if config.is_file() and "quantization_config" in config.read_text():
+        return load_quantized(spec, dtype)
+    return load_model(spec, dtype), load_tokenizer(spec)
+
+
+def _examples(job: HeadsJob, model, tokenizer, console: Console):
+    from toolkit.calibration.render import train_records
+
+    records = train_records(job.dataset)
+    if job.self_distill:
+        records = self_distill(model, tokenizer, records, job.samples, job.work / "distill.jsonl",
+                               max_new_tokens=job.distill_tokens, batch_size=job.distill_batch,
+                               max_prompt_len=max(8, job.max_len - job.distill_tokens))  # the answer fits whole
+    examples = build_examples(tokenizer, records, job.samples, job.max_len)
+    check_trainable(examples)
+    return examples
+
+
+def prepare(job: HeadsJob, console: Console, dry_run: bool = False):
+    """Phases 1-2: examples and hidden states (or the online source); with ``dry_run`` only shows one example."""
+    dtype = getattr(torch, job.dtype)
+    model, tokenizer = load_target(job.model, dtype)
+    if dry_run:
+        from toolkit.calibration.render import train_records
+
+        examples = build_examples(tokenizer, train_records(job.dataset), min(job.samples, 8), job.max_len)
+        check_trainable(examples)
+        show_example(console, tokenizer, examples[0])
+        return examples, None, None
+    examples = _examples(job, model, tokenizer, console)
+    tokens = sum(len(e.input_ids) for e in examples)
+    hidden_size = model.get_input_embeddings().weight.shape[1]
+    console.print(f"{len(examples)} examples, {tokens:,} tokens ({sum(int(e.loss_mask.sum()) for e in examples):,} "
+                  f"trained); hidden-state cache {cache_bytes(tokens, hidden_size) / 2**20:,.0f} MiB"
+                  + (" (not written: --online)" if job.online else f" in {job.work / 'hidden'}"))
+    if job.online:
+        return examples, OnlineHiddenStates(model, examples), model
+    cache = job.work / "hidden"
+    if (cache / INDEX).exists():
+        data = HiddenStateDataset(cache)
+        if [e["id"] for e in data.examples] != [e.id for e in examples]:
+            raise ValueError(f"{cache} holds hidden states of other examples; remove it or use another --work-dir")
+    else:
+        data = cache_hidden_states(model, examples, cache, target=target_identity(job.model))
+    del model
+    return examples, data, None
+
+
+def train_heads(job: HeadsJob, console: Console, dry_run: bool = False) -> HeadsResult:
+    """Run all phases of ``job``; returns what was trained and where it was written."""
+    import time
+
+    if job.output.exists() and not job.overwrite:
+        raise FileExistsError(f"{job.output} already exists; pass --overwrite to replace it")
+    started = time.perf_counter()
+    rank = _join_process_group()
+    if rank > 0:  # under torchrun rank 0 prepares first; the others then find its data and cache and reuse them
+        _barrier()
+    examples, data, online_model = prepare(job, console if rank == 0 else Console(quiet=True), dry_run)
+    if rank == 0:
+        _barrier()
+    tokens = sum(len(e.input_ids) for e in examples)
+    trained = sum(int(e.loss_mask.sum()) for e in examples)
+    if dry_run:
+        return HeadsResult(None, len(examples), tokens, trained)
+    prepared = time.perf_counter()
+
+    target, tokenizer = load_target(job.model, torch.float32)
+    heads = MedusaHeads.from_target(target, job.num_heads, job.num_layers)
+    paths = acceptance.tree_for(job.num_heads) if job.select_mode == "tree" else acceptance.chain_paths(job.num_heads)
+    prompts = acceptance.heldout_prompts(tokenizer, job.eval_prompts)
+    greedy_cache: dict = {}
+
+    def eval_fn(model) -> dict[str, float]:
+        if not greedy_cache:  # plain greedy is the same at every evaluation
+            greedy_cache["out"], greedy_cache["s"] = acceptance.greedy_outputs(target, prompts, job.eval_tokens,
+                                                                               tokenizer.eos_token_id)
+        report = acceptance.measure_acceptance(target, model, prompts, job.eval_tokens, paths, job.select_mode,
+                                               tokenizer.eos_token_id, greedy_cache["out"], greedy_cache["s"])
+        if not report.lossless:
+            raise RuntimeError("speculative decoding with the heads changed the greedy output: a decode-loop bug")
+        return {"mean_accepted_length": report.mean_accepted_length,
+                **{f"acceptance_{d + 1}": a for d, a in enumerate(report.acceptance_rate)}}
+
+    def loss_fn(model, batch):
+        return medusa_loss(model, batch["hidden"], batch["input_ids"], batch["loss_mask"])
+
+    def count_fn(batch):  # labels head 0 sees: the first two positions have no hidden state 2 tokens earlier
+        return int(batch["loss_mask"][:, 2:].sum())
+
+    config = replace(job.train, select_metric="mean_accepted_length")
+    result = train(heads, loss_fn, data, config, job.work / "train", eval_fn=eval_fn, count_fn=count_fn)
+    if rank > 0:
+        return HeadsResult(None, len(examples), tokens, trained, result.best_step, result.best_metrics)
+    trained_at = time.perf_counter()
+    if result.best_step is not None:
+        best = torch.load(job.work / "train" / "best.pt", weights_only=True)
+        heads.load_state_dict(best["model"])
+    del online_model
+    extra = {"training": {"examples": len(examples), "tokens": tokens, "trained_tokens": trained,
+                          "self_distill": job.self_distill, "dataset": job.dataset, "steps": result.steps,
+                          "best_step": result.best_step, "best_metrics": result.best_metrics,
+                          "select_mode": job.select_mode, "config": asdict(config)}}
+    export_medusa(heads, job.output, layout=job.layout, target=job.model,
+                  target_sha256=target_identity(job.model)["sha256"], overwrite=job.overwrite, extra_manifest=extra)
+    load_medusa(job.output)  # the written directory reads back with every tensor
+    seconds = {"data_and_hidden_states": prepared - started, "training": trained_at - prepared,
+               "total": time.perf_counter() - started}
+    (job.work / "timings.json").write_text(json.dumps(seconds, indent=1))
+    return HeadsResult(job.output, len(examples), tokens, trained, result.best_step, result.best_metrics, seconds)
+
+
+
+def _join_process_group() -> int:
+    """This process's rank; under torchrun the process group is joined here (the training loop then uses it)."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0
+    if not dist.is_initialized():
+        # rank 0 may spend hours on data and hidden states while the others wait at a barrier
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(hours=12))
+    return dist.get_rank()
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
