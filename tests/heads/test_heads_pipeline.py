@@ -75,3 +75,37 @@ def test_cli_dry_run_shows_the_trained_tokens(tiny_llama_dir, tmp_path):
     assert result.exit_code == 0, result.output
     assert "tokens trained" in result.output
     assert not (tmp_path / "h").exists()
+
+
+def test_same_command_under_torchrun(tiny_llama_dir, tmp_path):
+    """Two gloo ranks: rank 0 prepares data and hidden states while rank 1 waits, both train, rank 0 exports."""
+    import os
+    import shutil
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "heads"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(port), shutil.which("compound"), "train-heads", "--model", str(tiny_llama_dir),
+               "-o", str(out), "--num-heads", "2", "--samples", "4", "--max-len", "96", "--distill-tokens", "6",
+               "--dtype", "float32", "--steps", "2", "--batch-size", "2", "--micro-batch-size", "1",
+               "--eval-every", "2", "--save-every", "2", "--eval-prompts", "1", "--eval-tokens", "4"]
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert load_medusa(out).config.num_heads == 2
+    assert len((tmp_path / "heads.work" / "distill.jsonl").read_text().splitlines()) == 4
+
+
+def test_online_mode_writes_no_cache(tiny_llama_dir, tmp_path, one_thread):
+    from rich.console import Console
+
+    job = _job(tiny_llama_dir, tmp_path / "heads", online=True,
+               train=TrainConfig(max_steps=2, batch_size=2, micro_batch_size=2, eval_every=2, save_every=2))
+    result = train_heads(job, Console(quiet=True))
+    assert result.best_step == 2 and load_medusa(tmp_path / "heads").config.num_heads == 2
+    assert not (job.work / "hidden").exists()

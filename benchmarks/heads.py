@@ -1,0 +1,146 @@
+"""Medusa heads for SmolLM2-135M-Instruct trained on this CPU: time per phase, accepted length on held-out ShareGPT
+prompts (compound's loop, static tree and vLLM's top-1 chain), speedup over plain greedy, and what an 8B target on a
+GPU would cost, extrapolated from the measured per-token costs.
+
+The training run is the ``compound train-heads`` command printed in the section (run as a subprocess, so the command
+is exactly what a user types); evaluation is ``compound validate --heads`` on prompts disjoint from the ones the run
+selected its checkpoint on.
+
+    python benchmarks/heads.py [--samples 600] [--steps 600] [--prompts 12] [--new-tokens 96] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from report import markdown_table, update_section  # noqa: E402
+
+CACHE = ROOT / "benchmarks" / ".cache"
+MODEL = "smollm2-135m"
+
+# An 8B Llama-3-class target, for the extrapolation: hidden, vocab, parameters, and an H100's bf16 tensor throughput
+# at a utilisation typical of these workloads (stated, not measured here).
+EIGHT_B = dict(hidden=4096, vocab=128256, params=8.0e9)
+GPU_FLOPS, GPU_UTILISATION, GPU_BANDWIDTH = 989e12, 0.4, 3.35e12  # H100 SXM: dense bf16, HBM3 bytes/s
+
+
+def train_command(args, output: Path) -> list[str]:
+    return ["compound", "train-heads", "--model", MODEL, "-o", str(output), "--num-heads", str(args.heads),
+            "--samples", str(args.samples), "--max-len", "768", "--distill-tokens", str(args.distill_tokens),
+            "--steps", str(args.steps), "--batch-size", "8", "--micro-batch-size", "8", "--lr", str(args.lr),
+            "--eval-every", str(args.eval_every), "--save-every", str(args.eval_every), "--overwrite"]
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def extrapolate(tau: float, heads: int, distill_tokens: float, train_tokens: float, steps_tokens: float) -> str:
+    """What the same recipe costs for an 8B target on one H100, from FLOP counts (compute-bound phases) and bytes
+    read per token (batch-1 decode, memory-bound)."""
+    H, V, P = EIGHT_B["hidden"], EIGHT_B["vocab"], EIGHT_B["params"]
+    head_params = heads * (H * H + H + V * H)
+    rate = GPU_FLOPS * GPU_UTILISATION
+    distill_s = 2 * P * distill_tokens / rate  # generation, batched: ~2 FLOPs per parameter and token
+    hidden_s = 2 * P * train_tokens / rate  # one target forward per training token
+    train_s = 6 * head_params * steps_tokens / rate  # forward + backward over the heads
+    target_ms = 2 * P / GPU_BANDWIDTH * 1e3  # bytes of bf16 weights read per decode step
+    heads_ms = 2 * head_params / GPU_BANDWIDTH * 1e3
+    speedup = tau / (1 + heads_ms / target_ms)
+    return (
+        f"Extrapolation to an 8B Llama-3-class target (H {H}, V {V}) on one H100 (bf16 {GPU_FLOPS / 1e12:.0f} TFLOP/s "
+        f"at {GPU_UTILISATION:.0%} utilisation, {GPU_BANDWIDTH / 1e12:.2f} TB/s), same recipe and token counts: "
+        f"self-distillation ≈ {distill_s / 60:.1f} min, hidden states ≈ {hidden_s / 60:.1f} min, head training "
+        f"≈ {train_s / 60:.1f} min ({heads} heads = {head_params / 1e9:.2f} B parameters, {6 * head_params / 1e9:.1f} "
+        f"GFLOP per trained token). Decode at batch 1 is bound by weight reads: {target_ms:.1f} ms per target step, "
+        f"{heads_ms:.2f} ms for the heads, so at the same accepted length ({tau:.2f}) the bound on speedup is "
+        f"≈ {speedup:.2f}× (tree verification adds compute that is free at batch 1 while memory-bound). The "
+        f"accepted length itself does not transfer: heads of a larger target, trained on more data, reach 2.3-3.6 "
+        f"in the Medusa paper's tree mode (FORMATS.md §15)."
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--distill-tokens", type=int, default=192)
+    parser.add_argument("--eval-every", type=int, default=150)
+    parser.add_argument("--prompts", type=int, default=12)
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--output", type=Path, default=CACHE / "heads-smollm2-medusa")
+    parser.add_argument("--reuse", action="store_true", help="evaluate an existing --output without training")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    args = parser.parse_args()
+
+    command = train_command(args, args.output)
+    if not args.reuse:
+        work = args.output.with_name(args.output.name + ".work")
+        shutil.rmtree(work, ignore_errors=True)  # time the whole recipe, data generation included
+        started = time.perf_counter()
+        subprocess.run(command, check=True)
+        wall = time.perf_counter() - started
+    else:
+        wall = None
+    work = args.output.with_name(args.output.name + ".work")
+    timings = json.loads((work / "timings.json").read_text())
+    manifest = json.loads((args.output / "compound.json").read_text())
+    training = manifest["training"]
+
+    from toolkit.heads.acceptance import validate_heads
+
+    torch.set_num_threads(2)
+    reports = validate_heads(MODEL, args.output, args.prompts, args.new_tokens)
+    rows = [[r.mode, str(len(r.paths)), f"{r.mean_accepted_length:.2f}",
+             " / ".join(f"{a:.2f}" for a in r.acceptance_rate), f"{r.greedy_tokens_per_s:.1f}",
+             f"{r.speculative_tokens_per_s:.1f}", f"{r.speedup:.2f}×", "yes" if r.lossless else "NO"]
+            for r in reports]
+    table = markdown_table(["proposal", "nodes", "accepted length τ", "acceptance per head (depth)",
+                            "greedy tok/s", "speculative tok/s", "speedup", "lossless"], rows)
+    phases = markdown_table(
+        ["phase", "seconds"],
+        [["self-distillation + rendering + hidden states", f"{timings['data_and_hidden_states']:.0f}"],
+         ["training (incl. acceptance evaluations)", f"{timings['training']:.0f}"],
+         ["whole command" + ("" if wall is None else " (wall, model loads included)"),
+          f"{wall if wall is not None else timings['total']:.0f}"]])
+    tree = next(r for r in reports if r.mode == "tree")
+    steps_tokens = training["steps"] * 8 * training["tokens"] / max(1, training["examples"])
+    body = (
+        f"{args.heads} Medusa heads (1 residual block each, own output layer) for SmolLM2-135M-Instruct, trained on "
+        f"{training['examples']} self-distilled ShareGPT train-split conversations ({training['tokens']:,} tokens, "
+        f"{training['trained_tokens']:,} assistant tokens trained), {training['steps']} steps of 8 examples; best "
+        f"checkpoint by accepted length at step {training['best_step']}. {cpu_name()}, 2 torch threads, torch "
+        f"{torch.__version__}; **a shared 2-core machine**, so seconds are upper bounds.\n\n"
+        f"Held-out: {args.prompts} ShareGPT eval-split prompts (disjoint from the selection prompts), "
+        f"{args.new_tokens} new tokens each, greedy, float32 target in compound's decode loop.\n\n"
+        f"{table}\n\n{phases}\n\n"
+        f"{extrapolate(tree.mean_accepted_length, args.heads, training['examples'] * args.distill_tokens, training['tokens'], steps_tokens)}\n\n"
+        f"Command: `{' '.join(command)}` then `compound validate --model {MODEL} --heads {args.output} --prompts "
+        f"{args.prompts} --max-new-tokens {args.new_tokens}` (both by `python benchmarks/heads.py`)."
+    )
+    print(table, phases, sep="\n\n")
+    if not args.no_write:
+        update_section("Draft heads (Medusa, SmolLM2, CPU)", body)
+
+
+if __name__ == "__main__":
+    main()
