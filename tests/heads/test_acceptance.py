@@ -61,7 +61,7 @@ def test_oracle_heads_are_always_accepted(target, prompts):
     greedy, seconds = acceptance.greedy_outputs(target, prompts, NEW)
     oracle = Oracle(target, greedy, num_heads=3)
     report = acceptance.measure_acceptance(target, oracle, prompts, NEW, acceptance.chain_paths(3), "chain", None,
-                                           greedy, seconds)
+                                           greedy, seconds, draft_dtype=torch.float32)
     assert report.lossless
     assert report.acceptance_rate == [1.0, 1.0, 1.0]
     # 24 tokens: the prefill's token, then steps of 4 until fewer than 4 are left (the last step is cut by max_len).

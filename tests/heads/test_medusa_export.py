@@ -185,3 +185,24 @@ def test_load_refuses_vllm_heads_without_biases(heads, tmp_path):
     (out / MANIFEST).unlink()
     with pytest.raises(ValueError, match="medusa_fc_bias false"):
         load_medusa(out)
+
+
+def test_shared_lm_head_round_trip_in_vllm_layout(tmp_path):
+    """Medusa-2's layout: blocks per head and one lm_head, stored as lm_heads.0.weight with original_lm_head true
+    (vllm/model_executor/models/medusa.py maps that name to its single ``lm_head`` when the flag is set)."""
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig(16, 50, num_heads=3, num_layers=1, shared_lm_head=True))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_()
+    out = export_medusa(heads, tmp_path / "shared", target="t", target_sha256=None, dtype=torch.float32)
+    config = json.loads((out / "config.json").read_text())
+    assert config["original_lm_head"] is True and config["num_heads"] == 3
+    names = set(load_file(out / "model.safetensors"))
+    assert names == {f"blocks.{k}.layers.0.{p}" for k in range(3) for p in ("weight", "bias")} | {"lm_heads.0.weight"}
+    back = load_medusa(out)
+    assert back.config.shared_lm_head
+    hidden = torch.randn(4, 16)
+    assert torch.equal(back(hidden), heads(hidden))
+    with pytest.raises(ValueError, match="vllm layout"):
+        export_medusa(heads, tmp_path / "orig", layout="medusa", target="t", target_sha256=None)

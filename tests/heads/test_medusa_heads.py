@@ -69,3 +69,20 @@ def test_short_sequences_and_bad_config():
     assert count == 0 and float(total) == 0.0 and metrics == {}
     with pytest.raises(ValueError, match="num_heads"):
         MedusaConfig(16, 50, num_heads=0)
+
+
+def test_shared_lm_head_is_one_frozen_product(one_thread):
+    target = tiny_model("llama")
+    heads = MedusaHeads.from_target(target, num_heads=3, shared_lm_head=True)
+    assert len(heads.lm_heads) == 1 and not heads.lm_heads[0].weight.requires_grad
+    with torch.no_grad():
+        for head in heads.blocks:
+            head[0].linear.weight.normal_(0, 0.1)
+    hidden = torch.randn(5, 64)
+    logits = heads(hidden)
+    for k in range(3):
+        torch.testing.assert_close(logits[:, k], target.lm_head(heads.head_hidden(hidden, k)))
+    total, _, _ = medusa_loss(heads, torch.randn(1, 8, 64), torch.randint(0, 49152, (1, 8)),
+                              torch.ones(1, 8, dtype=torch.bool))
+    total.backward()
+    assert heads.lm_heads[0].weight.grad is None and heads.blocks[0][0].linear.weight.grad is not None

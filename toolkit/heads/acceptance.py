@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
+import copy
+
 import torch
 from torch import nn
 
@@ -81,9 +83,14 @@ class AcceptanceReport:
         return asdict(self) | {"speedup": self.speedup}
 
 
-def heads_callable(heads: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """hidden [D] -> logits [K, V] for ``MedusaDrafter``, in the heads' dtype."""
-    return lambda hidden: heads(hidden)
+def heads_callable(heads: nn.Module, dtype: torch.dtype = torch.bfloat16) -> Callable[[torch.Tensor], torch.Tensor]:
+    """hidden [D] -> logits [K, V] for ``MedusaDrafter``, from a copy of ``heads`` in ``dtype``.
+
+    bfloat16 by default, as vLLM runs heads in the serving dtype: on CPUs with bf16 matrix units a [K, H] x [H, V]
+    product costs what one row does in bf16 and about K times that in float32. Proposals only need the top-k.
+    """
+    drafting = copy.deepcopy(heads).to(dtype).eval()
+    return lambda hidden: drafting(hidden.to(dtype))
 
 
 @torch.inference_mode()
@@ -102,16 +109,15 @@ def greedy_outputs(target: nn.Module, prompts: Sequence[torch.Tensor], max_new_t
 @torch.inference_mode()
 def measure_acceptance(target: nn.Module, heads: nn.Module, prompts: Sequence[torch.Tensor], max_new_tokens: int,
                        paths: list[tuple[int, ...]], mode: str, eos_token_id: int | None = None,
-                       greedy: list[torch.Tensor] | None = None, greedy_s: float | None = None) -> AcceptanceReport:
+                       greedy: list[torch.Tensor] | None = None, greedy_s: float | None = None,
+                       draft_dtype: torch.dtype = torch.bfloat16) -> AcceptanceReport:
     """Decode each prompt with Medusa ``heads`` drafting ``paths`` and compare with plain greedy decoding.
 
     greedy / greedy_s: plain greedy outputs and their total seconds from an earlier call, to reuse (the target is the
     same); computed when None. Accepted length is pooled over all verify steps of all prompts.
     """
-    was_training = heads.training
-    heads.eval()
     decoder = Decoder.from_model(target, max(len(p) for p in prompts) + max_new_tokens + len(paths) + 1)
-    drafter = MedusaDrafter(heads_callable(heads), paths)
+    drafter = MedusaDrafter(heads_callable(heads, draft_dtype), paths)
     if greedy is None:
         greedy, greedy_s = greedy_outputs(target, prompts, max_new_tokens, eos_token_id)
     accepted: list[int] = []
@@ -131,7 +137,6 @@ def measure_acceptance(target: nn.Module, heads: nn.Module, prompts: Sequence[to
         per_prompt.append(stats.mean_accepted_length)
         tokens += stats.new_tokens
         spec_s += stats.total_s
-    heads.train(was_training)
     greedy_tokens = sum(len(g) - len(p) for g, p in zip(greedy, prompts))
     return AcceptanceReport(
         mode=mode, paths=paths,
@@ -145,10 +150,12 @@ def measure_acceptance(target: nn.Module, heads: nn.Module, prompts: Sequence[to
 
 
 
-def validate_heads(target_spec: str, heads_dir, prompts: int = 8, max_new_tokens: int = 64,
-                   skip: int = 4) -> list[AcceptanceReport]:
-    """Medusa heads from ``heads_dir`` drafting for the float32 ``target_spec`` on held-out prompts, in the static
-    tree and the top-1 chain that vLLM serves (one report each).
+def validate_heads(target_spec: str, heads_dir, prompts: int = 8, max_new_tokens: int = 64, skip: int = 4,
+                   dtype: torch.dtype = torch.float32) -> list[AcceptanceReport]:
+    """Medusa heads from ``heads_dir`` drafting for ``target_spec`` (run in ``dtype``) on held-out prompts, in the
+    static tree and the top-1 chain that vLLM serves (one report each). Lossless means the speculative output equals
+    plain greedy decoding in the same loop and dtype; in bfloat16 a near-tie can round differently in a tree forward
+    than in a one-token forward, which float32 makes vanishingly rare.
 
     skip: held-out prompts left out at the start (``train-heads`` selects checkpoints on the first 4).
     """
@@ -156,7 +163,7 @@ def validate_heads(target_spec: str, heads_dir, prompts: int = 8, max_new_tokens
     from toolkit.heads.pipeline import load_target
 
     heads = load_medusa(heads_dir).float()
-    target, tokenizer = load_target(target_spec, torch.float32)
+    target, tokenizer = load_target(target_spec, dtype)
     if heads.config.hidden_size != target.config.hidden_size or heads.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"heads of hidden {heads.config.hidden_size} / vocab {heads.config.vocab_size} do not fit "
                          f"{target_spec} (hidden {target.config.hidden_size} / vocab {target.config.vocab_size})")

@@ -12,13 +12,16 @@ Head k (0-based) of K, residual block l of L, hidden size H, vocabulary V; every
 vLLM's ``config.json`` (``vllm/transformers_utils/configs/medusa.py``, vLLM 0.32): ``model_type: "medusa"``,
 ``architectures: ["MedusaModel"]``, ``hidden_size``, ``vocab_size``, ``num_heads``, ``num_hidden_layers``,
 ``truncated_vocab_size`` (= vocab_size: no token map), ``medusa_fc_bias: true`` (else vLLM builds bias-free blocks
-and drops the biases without a word) and ``original_lm_head: false`` (one output layer per head). vLLM runs the heads
+and drops the biases without a word) and ``original_lm_head`` (false: one output layer per head; true: heads with a
+shared ``lm_head``, stored once as ``lm_heads.0.weight``, which vLLM loads as its one ``lm_head``). vLLM runs the heads
 in the target's dtype whatever ``torch_dtype`` says. FasterDecoding's ``config.json``: ``medusa_num_heads``,
 ``medusa_num_layers``, ``base_model_name_or_path``.
 
-Engines skip missing or unexpected weights silently (vLLM: any unknown name, a bias without ``medusa_fc_bias``,
-an absent ``lm_heads.{k}.weight``), and acceptance then collapses to about 1 token per step, so both the exporter and
-the loader compare every name and shape with the layout's table (``expected_medusa_tensors``) and refuse a mismatch.
+Engines skip missing or unexpected weights silently (vLLM 0.32: names it does not know, a bias without
+``medusa_fc_bias``, an absent ``lm_heads.{k}.weight``, which its missing-weight check exempts; it does remap the
+FasterDecoding names ``{k}.{l}.linear.*`` itself), and acceptance then collapses to about 1 token per step, so both the
+exporter and the loader compare every name and shape with the layout's table (``expected_medusa_tensors``) and refuse
+a mismatch.
 Converting between layouts is ``export_medusa(load_medusa(src), dst, layout=...)``.
 """
 
@@ -50,7 +53,13 @@ def _name_map(config: MedusaConfig, layout: str) -> dict[str, str]:
             prefix = f"blocks.{k}.layers.{l}" if layout == "vllm" else f"{k}.{l}.linear"
             names[f"{prefix}.weight"] = f"blocks.{k}.{l}.linear.weight"
             names[f"{prefix}.bias"] = f"blocks.{k}.{l}.linear.bias"
-        names[f"lm_heads.{k}.weight" if layout == "vllm" else f"{k}.{L}.weight"] = f"lm_heads.{k}.weight"
+        if not config.shared_lm_head:
+            names[f"lm_heads.{k}.weight" if layout == "vllm" else f"{k}.{L}.weight"] = f"lm_heads.{k}.weight"
+    if config.shared_lm_head:
+        if layout != "vllm":
+            raise ValueError("FasterDecoding's layout has one output layer per head; export heads with a shared "
+                             "lm_head in the vllm layout (original_lm_head: true)")
+        names["lm_heads.0.weight"] = "lm_heads.0.weight"  # vLLM reads it as its one lm_head
     return names
 
 
@@ -83,7 +92,7 @@ def _config_json(config: MedusaConfig, layout: str, target: str, dtype: torch.dt
     return {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": config.hidden_size,
             "vocab_size": config.vocab_size, "truncated_vocab_size": config.vocab_size,
             "num_heads": config.num_heads, "num_hidden_layers": config.num_layers,
-            "medusa_fc_bias": True, "original_lm_head": False, "torch_dtype": dtype_name, "dtype": dtype_name}
+            "medusa_fc_bias": True, "original_lm_head": config.shared_lm_head, "torch_dtype": dtype_name, "dtype": dtype_name}
 
 
 def export_medusa(heads: MedusaHeads, out_dir: Path, *, layout: str = "vllm", target: str,
@@ -134,9 +143,9 @@ def load_medusa(directory: Path) -> MedusaHeads:
 
 def _detect_layout(raw: dict, directory: Path) -> str:
     if raw.get("model_type") == "medusa":
-        if not raw.get("medusa_fc_bias", False) or raw.get("original_lm_head", False):
-            raise ValueError(f"{directory}: compound's heads have biased blocks and one output layer per head; this "
-                             "config has medusa_fc_bias false or original_lm_head true, which they cannot load")
+        if not raw.get("medusa_fc_bias", False):
+            raise ValueError(f"{directory}: compound's heads have biased blocks; this config has medusa_fc_bias "
+                             "false, which they cannot load")
         return "vllm"
     if "medusa_num_heads" in raw:
         return "medusa"
@@ -148,7 +157,8 @@ def _config_from(raw: dict, layout: str, tensors: dict[str, torch.Tensor], weigh
     if layout == "vllm":
         if raw.get("truncated_vocab_size", raw["vocab_size"]) != raw["vocab_size"]:
             raise ValueError(f"{weights.parent}: truncated_vocab_size (a token map) is not supported")
-        return MedusaConfig(raw["hidden_size"], raw["vocab_size"], raw["num_heads"], raw["num_hidden_layers"])
+        return MedusaConfig(raw["hidden_size"], raw["vocab_size"], raw["num_heads"], raw["num_hidden_layers"],
+                            bool(raw.get("original_lm_head", False)))
     # FasterDecoding's config has no sizes: head 0's output layer [V, H] gives them
     K, L = raw["medusa_num_heads"], raw["medusa_num_layers"]
     out = f"0.{L}.weight"

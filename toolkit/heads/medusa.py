@@ -6,6 +6,12 @@ the hidden state of position t (the final-norm output, what ``lm_head`` reads; t
 k predicts the token at t + 2 + k. Training (``medusa_loss``) is per-head cross-entropy against that token, weighted
 ``decay ** k`` (Medusa-1's 0.8), on label positions the loss mask marks trainable.
 
+With ``shared_lm_head`` (Medusa-2's layout, vLLM's ``original_lm_head: true``) the heads keep only their blocks and
+all read through one frozen copy of the target's ``lm_head``: the K heads' logits are then one [K, H] x [H, V]
+product that reads the output matrix once, instead of K matrices of V x H each. For a small target with a large
+vocabulary (SmolLM2: V x H is a fifth of the model) that is the difference between drafting for free and drafting at
+the cost of the target itself.
+
 Each block is its own module (the original code's ``[ResBlock(H)] * L`` shares one module between layers).
 """
 
@@ -26,6 +32,7 @@ class MedusaConfig:
     vocab_size: int
     num_heads: int = 4
     num_layers: int = 1
+    shared_lm_head: bool = False
 
     def __post_init__(self):
         if self.num_heads < 1 or self.num_layers < 1:
@@ -49,7 +56,8 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    """``blocks[k][l]``: head k's residual blocks; ``lm_heads[k]``: its output layer (no bias)."""
+    """``blocks[k][l]``: head k's residual blocks; ``lm_heads[k]``: its output layer (no bias), or ``lm_heads[0]``
+    alone, frozen, for every head when ``shared_lm_head``."""
 
     def __init__(self, config: MedusaConfig):
         super().__init__()
@@ -57,13 +65,17 @@ class MedusaHeads(nn.Module):
         H, V = config.hidden_size, config.vocab_size
         self.blocks = nn.ModuleList(
             nn.ModuleList(ResBlock(H) for _ in range(config.num_layers)) for _ in range(config.num_heads))
-        self.lm_heads = nn.ModuleList(nn.Linear(H, V, bias=False) for _ in range(config.num_heads))
+        outputs = 1 if config.shared_lm_head else config.num_heads
+        self.lm_heads = nn.ModuleList(nn.Linear(H, V, bias=False) for _ in range(outputs))
+        if config.shared_lm_head:
+            self.lm_heads.requires_grad_(False)
 
     @classmethod
-    def from_target(cls, target: nn.Module, num_heads: int = 4, num_layers: int = 1) -> MedusaHeads:
+    def from_target(cls, target: nn.Module, num_heads: int = 4, num_layers: int = 1,
+                    shared_lm_head: bool = False) -> MedusaHeads:
         """New heads for ``target`` (a causal LM): its sizes, each output layer a copy of its ``lm_head``."""
         lm_head = target.get_output_embeddings().weight
-        config = MedusaConfig(lm_head.shape[1], lm_head.shape[0], num_heads, num_layers)
+        config = MedusaConfig(lm_head.shape[1], lm_head.shape[0], num_heads, num_layers, shared_lm_head)
         heads = cls(config)
         with torch.no_grad():
             for out in heads.lm_heads:
@@ -76,11 +88,17 @@ class MedusaHeads(nn.Module):
             hidden = block(hidden)
         return hidden
 
+    def output_layer(self, k: int) -> nn.Linear:
+        """The layer that turns head k's hidden state into logits."""
+        return self.lm_heads[0 if self.config.shared_lm_head else k]
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [..., K, V] of every head for ``hidden`` [..., H]."""
         hidden = hidden.to(self.lm_heads[0].weight.dtype)
-        return torch.stack([self.lm_heads[k](self.head_hidden(hidden, k)) for k in range(self.config.num_heads)],
-                           dim=-2)
+        states = [self.head_hidden(hidden, k) for k in range(self.config.num_heads)]
+        if self.config.shared_lm_head:  # one product over the stacked heads: the matrix is read once
+            return self.lm_heads[0](torch.stack(states, dim=-2))
+        return torch.stack([self.lm_heads[k](state) for k, state in enumerate(states)], dim=-2)
 
 
 def medusa_loss(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
@@ -109,7 +127,7 @@ def medusa_loss(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch.Tenso
             count0 = count
         if count == 0:
             continue
-        logits = heads.lm_heads[k](heads.head_hidden(rows, k)).float()
+        logits = heads.output_layer(k)(heads.head_hidden(rows, k)).float()
         target = labels[mask]
         loss = F.cross_entropy(logits, target, reduction="sum")
         total = total + decay**k * loss

@@ -50,6 +50,7 @@ class HeadsJob:
     head: str = "medusa"
     num_heads: int = 4
     num_layers: int = 1
+    shared_lm_head: bool = False
     dataset: str = "sharegpt"
     samples: int = 1000
     max_len: int = 1024
@@ -183,7 +184,7 @@ def train_heads(job: HeadsJob, console: Console, dry_run: bool = False) -> Heads
     prepared = time.perf_counter()
 
     target, tokenizer = load_target(job.model, torch.float32)
-    heads = MedusaHeads.from_target(target, job.num_heads, job.num_layers)
+    heads = MedusaHeads.from_target(target, job.num_heads, job.num_layers, job.shared_lm_head)
     paths = acceptance.tree_for(job.num_heads) if job.select_mode == "tree" else acceptance.chain_paths(job.num_heads)
     prompts = acceptance.heldout_prompts(tokenizer, job.eval_prompts)
     greedy_cache: dict = {}
