@@ -35,11 +35,13 @@ EIGHT_B = dict(hidden=4096, vocab=128256, params=8.0e9)
 GPU_FLOPS, GPU_UTILISATION, GPU_BANDWIDTH = 989e12, 0.4, 3.35e12  # H100 SXM: dense bf16, HBM3 bytes/s
 
 
-def train_command(args, output: Path) -> list[str]:
-    return ["compound", "train-heads", "--model", MODEL, "-o", str(output), "--num-heads", str(args.heads),
+def train_command(args, output: Path, work: Path, shared: bool) -> list[str]:
+    return ["compound", "train-heads", "--model", MODEL, "-o", str(output), "--work-dir", str(work),
+            "--num-heads", str(args.heads), "--shared-lm-head" if shared else "--own-lm-heads",
             "--samples", str(args.samples), "--max-len", "768", "--distill-tokens", str(args.distill_tokens),
             "--steps", str(args.steps), "--batch-size", "8", "--micro-batch-size", "8", "--lr", str(args.lr),
-            "--eval-every", str(args.eval_every), "--save-every", str(args.eval_every), "--overwrite"]
+            "--eval-every", str(args.eval_every), "--save-every", str(args.eval_every), "--eval-prompts", "3",
+            "--eval-tokens", "48", "--overwrite"]
 
 
 def cpu_name() -> str:
@@ -79,65 +81,74 @@ def extrapolate(tau: float, heads: int, distill_tokens: float, train_tokens: flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=600)
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--samples", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--distill-tokens", type=int, default=192)
-    parser.add_argument("--eval-every", type=int, default=150)
-    parser.add_argument("--prompts", type=int, default=12)
-    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--distill-tokens", type=int, default=128)
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--variants", default="own,shared", help="lm-head variants: own and/or shared")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="target dtypes in the decode loop")
     parser.add_argument("--output", type=Path, default=CACHE / "heads-smollm2-medusa")
-    parser.add_argument("--reuse", action="store_true", help="evaluate an existing --output without training")
+    parser.add_argument("--reuse", action="store_true", help="evaluate existing outputs without training")
     parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     args = parser.parse_args()
 
-    command = train_command(args, args.output)
-    if not args.reuse:
-        work = args.output.with_name(args.output.name + ".work")
-        shutil.rmtree(work, ignore_errors=True)  # time the whole recipe, data generation included
-        started = time.perf_counter()
-        subprocess.run(command, check=True)
-        wall = time.perf_counter() - started
-    else:
-        wall = None
-    work = args.output.with_name(args.output.name + ".work")
-    timings = json.loads((work / "timings.json").read_text())
-    manifest = json.loads((args.output / "compound.json").read_text())
-    training = manifest["training"]
-
     from toolkit.heads.acceptance import validate_heads
 
-    torch.set_num_threads(2)
-    reports = validate_heads(MODEL, args.output, args.prompts, args.new_tokens)
-    rows = [[r.mode, str(len(r.paths)), f"{r.mean_accepted_length:.2f}",
-             " / ".join(f"{a:.2f}" for a in r.acceptance_rate), f"{r.greedy_tokens_per_s:.1f}",
-             f"{r.speculative_tokens_per_s:.1f}", f"{r.speedup:.2f}×", "yes" if r.lossless else "NO"]
-            for r in reports]
-    table = markdown_table(["proposal", "nodes", "accepted length τ", "acceptance per head (depth)",
-                            "greedy tok/s", "speculative tok/s", "speedup", "lossless"], rows)
-    phases = markdown_table(
-        ["phase", "seconds"],
-        [["self-distillation + rendering + hidden states", f"{timings['data_and_hidden_states']:.0f}"],
-         ["training (incl. acceptance evaluations)", f"{timings['training']:.0f}"],
-         ["whole command" + ("" if wall is None else " (wall, model loads included)"),
-          f"{wall if wall is not None else timings['total']:.0f}"]])
-    tree = next(r for r in reports if r.mode == "tree")
+    work = args.output.with_name(args.output.name + ".work")
+    if not args.reuse:
+        shutil.rmtree(work, ignore_errors=True)  # time the whole recipe, data generation included
+    rows, phases, commands, trainings = [], [], [], {}
+    for variant in args.variants.split(","):
+        output = args.output.with_name(f"{args.output.name}-{variant}")
+        command = train_command(args, output, work, variant == "shared")
+        commands.append(" ".join(command))
+        wall = None
+        if not args.reuse:
+            started = time.perf_counter()
+            subprocess.run(command, check=True)
+            wall = time.perf_counter() - started
+        lm = "shared" if variant == "shared" else "own"
+        timings = json.loads((work / f"train-medusa-k{args.heads}-l1-{lm}" / "timings.json").read_text())
+        training = json.loads((output / "compound.json").read_text())["training"]
+        trainings[variant] = training
+        phases.append([variant, f"{timings['data_and_hidden_states']:.0f}", f"{timings['training']:.0f}",
+                       f"{wall:.0f}" if wall is not None else f"{timings['total']:.0f}", str(training["best_step"])])
+        torch.set_num_threads(2)
+        for dtype in args.dtypes.split(","):
+            for r in validate_heads(MODEL, output, args.prompts, args.new_tokens, dtype=getattr(torch, dtype)):
+                rows.append([f"{variant} lm_head", dtype, r.mode, str(len(r.paths)), f"{r.mean_accepted_length:.2f}",
+                             " / ".join(f"{a:.2f}" for a in r.acceptance_rate), f"{r.greedy_tokens_per_s:.1f}",
+                             f"{r.speculative_tokens_per_s:.1f}", f"{r.speedup:.2f}×", "yes" if r.lossless else "NO"])
+                print(rows[-1], flush=True)
+    table = markdown_table(["heads", "target dtype", "proposal", "nodes", "accepted length τ",
+                            "acceptance per head (depth)", "greedy tok/s", "speculative tok/s", "speedup",
+                            "lossless"], rows)
+    phase_table = markdown_table(["variant", "data + hidden states, s", "training incl. evaluations, s",
+                                  "whole command, s", "best step"], phases)
+    training = next(iter(trainings.values()))
+    tau = max(float(row[4]) for row in rows)
     steps_tokens = training["steps"] * 8 * training["tokens"] / max(1, training["examples"])
     body = (
-        f"{args.heads} Medusa heads (1 residual block each, own output layer) for SmolLM2-135M-Instruct, trained on "
+        f"{args.heads} Medusa heads (1 residual block each) for SmolLM2-135M-Instruct, with their own output layers "
+        f"(own) or sharing the target's frozen lm_head (shared, vLLM `original_lm_head`), trained on "
         f"{training['examples']} self-distilled ShareGPT train-split conversations ({training['tokens']:,} tokens, "
-        f"{training['trained_tokens']:,} assistant tokens trained), {training['steps']} steps of 8 examples; best "
-        f"checkpoint by accepted length at step {training['best_step']}. {cpu_name()}, 2 torch threads, torch "
-        f"{torch.__version__}; **a shared 2-core machine**, so seconds are upper bounds.\n\n"
+        f"{training['trained_tokens']:,} assistant tokens trained), {training['steps']} steps of 8 examples, the "
+        f"checkpoint chosen by accepted length on 3 held-out prompts. The second variant reuses the first's data and "
+        f"hidden states (same work directory). {cpu_name()}, 2 torch threads, torch {torch.__version__}; **a shared "
+        f"2-core machine**, so seconds are upper bounds.\n\n"
         f"Held-out: {args.prompts} ShareGPT eval-split prompts (disjoint from the selection prompts), "
-        f"{args.new_tokens} new tokens each, greedy, float32 target in compound's decode loop.\n\n"
-        f"{table}\n\n{phases}\n\n"
-        f"{extrapolate(tree.mean_accepted_length, args.heads, training['examples'] * args.distill_tokens, training['tokens'], steps_tokens)}\n\n"
-        f"Command: `{' '.join(command)}` then `compound validate --model {MODEL} --heads {args.output} --prompts "
-        f"{args.prompts} --max-new-tokens {args.new_tokens}` (both by `python benchmarks/heads.py`)."
+        f"{args.new_tokens} new tokens each, greedy, compound's decode loop; heads draft in bf16.\n\n"
+        f"{table}\n\n{phase_table}\n\n"
+        f"{extrapolate(tau, args.heads, training['examples'] * args.distill_tokens, training['tokens'], steps_tokens)}"
+        f"\n\nCommands: " + "; ".join(f"`{c}`" for c in commands) + f", then `compound validate --model {MODEL} "
+        f"--heads OUT --prompts {args.prompts} --max-new-tokens {args.new_tokens} --dtype DTYPE` (all by "
+        f"`python benchmarks/heads.py`)."
     )
-    print(table, phases, sep="\n\n")
+    print(table, phase_table, sep="\n\n")
     if not args.no_write:
         update_section("Draft heads (Medusa, SmolLM2, CPU)", body)
 

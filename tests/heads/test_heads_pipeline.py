@@ -34,7 +34,7 @@ def test_pipeline_trains_selects_and_exports(tiny_llama_dir, tmp_path, one_threa
     distilled = (job.work / "distill.jsonl").read_text().splitlines()
     assert len(distilled) == 4 and all(json.loads(line)["messages"][-1]["role"] == "assistant" for line in distilled)
     assert (job.work / "hidden" / "index.json").exists()
-    evals = [json.loads(line) for line in (job.work / "train" / "eval.jsonl").read_text().splitlines()]
+    evals = [json.loads(line) for line in (job.train_dir / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [2, 4]
     best = max(evals, key=lambda e: e["mean_accepted_length"])  # the first of equals is kept
     assert best["step"] == result.best_step
@@ -53,7 +53,7 @@ def test_pipeline_trains_selects_and_exports(tiny_llama_dir, tmp_path, one_threa
     finally:
         pipeline.cache_hidden_states = real
     assert calls == []
-    assert [json.loads(line)["step"] for line in (job.work / "train" / "eval.jsonl").read_text().splitlines()] \
+    assert [json.loads(line)["step"] for line in (job.train_dir / "eval.jsonl").read_text().splitlines()] \
         == [2, 4, 6]
 
 

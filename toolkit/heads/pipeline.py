@@ -9,7 +9,7 @@ Phases, each resumable by rerunning the same command (the work directory ``<outp
    (``work/distill.jsonl``, appended per batch), rendered with the chat template, loss on assistant tokens only;
 2. hidden states: the target (in ``dtype``) run over the examples, cached in ``work/hidden`` (or computed while
    training with ``online``);
-3. training: ``toolkit.heads.train`` with checkpoints in ``work/train``; every ``eval_every`` steps the heads draft
+3. training: ``toolkit.heads.train`` with checkpoints in ``work/train-<head shape>``; every ``eval_every`` steps the heads draft
    for the float32 target in compound's decode loop on ``eval_prompts`` held-out prompts, and the best by mean
    accepted length (``select_mode`` tree or chain) is kept;
 4. export: the best heads in ``layout`` (vLLM or original Medusa) with a manifest naming the target and its hash.
@@ -80,6 +80,12 @@ class HeadsJob:
     @property
     def work(self) -> Path:
         return self.work_dir or self.output.with_name(self.output.name + ".work")
+
+    @property
+    def train_dir(self) -> Path:
+        """Training state of this head shape: runs of other shapes can share the work directory's data."""
+        output = "shared" if self.shared_lm_head else "own"
+        return self.work / f"train-{self.head}-k{self.num_heads}-l{self.num_layers}-{output}"
 
 
 @dataclass
@@ -207,12 +213,12 @@ def train_heads(job: HeadsJob, console: Console, dry_run: bool = False) -> Heads
         return int(batch["loss_mask"][:, 2:].sum())
 
     config = replace(job.train, select_metric="mean_accepted_length")
-    result = train(heads, loss_fn, data, config, job.work / "train", eval_fn=eval_fn, count_fn=count_fn)
+    result = train(heads, loss_fn, data, config, job.train_dir, eval_fn=eval_fn, count_fn=count_fn)
     if rank > 0:
         return HeadsResult(None, len(examples), tokens, trained, result.best_step, result.best_metrics)
     trained_at = time.perf_counter()
     if result.best_step is not None:
-        best = torch.load(job.work / "train" / "best.pt", weights_only=True)
+        best = torch.load(job.train_dir / "best.pt", weights_only=True)
         heads.load_state_dict(best["model"])
     del online_model
     extra = {"training": {"examples": len(examples), "tokens": tokens, "trained_tokens": trained,
@@ -224,7 +230,7 @@ def train_heads(job: HeadsJob, console: Console, dry_run: bool = False) -> Heads
     load_medusa(job.output)  # the written directory reads back with every tensor
     seconds = {"data_and_hidden_states": prepared - started, "training": trained_at - prepared,
                "total": time.perf_counter() - started}
-    (job.work / "timings.json").write_text(json.dumps(seconds, indent=1))
+    (job.train_dir / "timings.json").write_text(json.dumps(seconds, indent=1))
     return HeadsResult(job.output, len(examples), tokens, trained, result.best_step, result.best_metrics, seconds)
 
 
