@@ -57,6 +57,7 @@ class HeadsJob:
     self_distill: bool = True
     distill_tokens: int = 256
     distill_batch: int = 16
+    distill_prompt_tokens: int = 384  # longest prompt self-distilled: long prompts cost prefill and cache, not signal
     dtype: str = "bfloat16"
     online: bool = False
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -134,7 +135,8 @@ def _examples(job: HeadsJob, model, tokenizer, console: Console):
     if job.self_distill:
         records = self_distill(model, tokenizer, records, job.samples, job.work / "distill.jsonl",
                                max_new_tokens=job.distill_tokens, batch_size=job.distill_batch,
-                               max_prompt_len=max(8, job.max_len - job.distill_tokens))  # the answer fits whole
+                               max_prompt_len=max(8, min(job.distill_prompt_tokens,
+                                                         job.max_len - job.distill_tokens)))  # answers fit whole
     examples = build_examples(tokenizer, records, job.samples, job.max_len)
     check_trainable(examples)
     return examples
