@@ -200,6 +200,7 @@ def validate(
     heads: Optional[Path] = typer.Option(None, help="A draft-head directory (from train-heads): measure its accepted length on --model instead."),
     prompts: int = typer.Option(8, help="With --heads: held-out prompts decoded."),
     max_new_tokens: int = typer.Option(64, help="With --heads: tokens generated per prompt."),
+    heads_dtype: str = typer.Option("float32", "--dtype", help="With --heads: the target's dtype in the decode loop (float32 | bfloat16)."),
     dataset: str = typer.Option("sharegpt", help="Held-out source (its eval split)."),
     windows: int = typer.Option(2, help="Held-out windows run on every path."),
     seq_len: int = typer.Option(64, help="Tokens per window (at most 256, where cpu-int4 hands over to the reference)."),
@@ -212,7 +213,7 @@ def validate(
     from toolkit.validate import validate as run_validate
 
     if heads is not None:
-        _validate_heads(model, heads, prompts, max_new_tokens, json_out)
+        _validate_heads(model, heads, prompts, max_new_tokens, heads_dtype, json_out)
         return
 
     try:
@@ -252,14 +253,20 @@ def validate(
         raise typer.Exit(1)
 
 
-def _validate_heads(model: str, heads: Path, prompts: int, max_new_tokens: int, json_out: Optional[Path]) -> None:
+def _validate_heads(model: str, heads: Path, prompts: int, max_new_tokens: int, dtype: str,
+                    json_out: Optional[Path]) -> None:
+    import torch
+
     from toolkit.heads.acceptance import validate_heads
 
     try:
-        reports = validate_heads(model, heads, prompts, max_new_tokens)
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
+        reports = validate_heads(model, heads, prompts, max_new_tokens, dtype=getattr(torch, dtype))
     except (*_user_errors(), ValueError) as err:
         _fail(err)
-    table = Table(title=f"heads {heads} drafting for {model}: {prompts} held-out prompts × {max_new_tokens} tokens")
+    table = Table(title=f"heads {heads} drafting for {model} ({dtype}): {prompts} held-out prompts × "
+                        f"{max_new_tokens} tokens")
     for column in ("mode", "nodes", "accepted length", "acceptance per depth", "tokens/s", "greedy tokens/s",
                    "speedup", "lossless"):
         table.add_column(column, justify="left" if column in ("mode", "acceptance per depth") else "right")
@@ -283,6 +290,7 @@ def train_heads(
     head: str = typer.Option("medusa", help="Head type: medusa."),
     num_heads: int = typer.Option(4, help="Heads (tokens drafted beyond the target's own)."),
     num_layers: int = typer.Option(1, help="Residual blocks per head."),
+    shared_lm_head: bool = typer.Option(False, "--shared-lm-head/--own-lm-heads", help="Heads share one frozen copy of the target's lm_head (Medusa-2, vLLM original_lm_head: one output product for all heads) instead of one trained output layer each."),
     dataset: str = typer.Option("sharegpt", help="Conversations: sharegpt, a .json/.jsonl/.parquet file, or a datasets id (its train split)."),
     samples: int = typer.Option(1000, help="Conversations trained on."),
     max_len: int = typer.Option(1024, help="Tokens per example at most."),
@@ -318,6 +326,7 @@ def train_heads(
                              micro_batch_size=micro_batch_size, dtype=train_dtype, eval_every=eval_every,
                              save_every=save_every, seed=seed)
         job = HeadsJob(model=model, output=output, head=head, num_heads=num_heads, num_layers=num_layers,
+                       shared_lm_head=shared_lm_head,
                        dataset=dataset, samples=samples, max_len=max_len, self_distill=self_distill,
                        distill_tokens=distill_tokens, distill_batch=distill_batch, dtype=dtype, online=online,
                        train=config, eval_prompts=eval_prompts, eval_tokens=eval_tokens, select_mode=select_mode,
@@ -338,6 +347,63 @@ def train_heads(
     for key, value in result.seconds.items():
         table.add_row(f"seconds, {key.replace('_', ' ')}", f"{value:.0f}")
     Console().print(table)
+
+
+@app.command()
+def run(
+    recipe: Path = typer.Argument(..., help="A recipe YAML file (see recipes/)."),
+    resume: bool = typer.Option(True, "--resume/--no-resume", help="Skip steps whose fingerprint and outputs are unchanged."),
+    dry_run: bool = typer.Option(False, help="Print the plan (steps, fingerprints, which are cached) and run nothing."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact directory (default: the recipe's output, out/<recipe name>)."),
+):
+    """Run a recipe: quantize → evaluate → validate → heads → gates → push, each step cached by fingerprint.
+    Exit status 1 when a gate fails (nothing is pushed), 2 for a bad recipe."""
+    from toolkit.recipes import GateError, RecipeError, load_recipe, run_recipe
+
+    try:
+        loaded = load_recipe(recipe)
+    except RecipeError as err:
+        _fail(err)
+    if output is not None:
+        loaded = dataclasses.replace(loaded, output=output)
+    wants_push = loaded.push is not None and loaded.push.enabled and not dry_run
+    try:
+        run_recipe(loaded, resume=resume, dry_run=dry_run, api=_hub_client() if wants_push else None, console=console)
+    except GateError:
+        raise typer.Exit(1)  # the failed gates and the summary are printed already
+    except (*_user_errors(), ValueError) as err:
+        _fail(err)
+
+
+def _hub_client():
+    """An ``HfApi`` when a Hugging Face token is configured (HF_TOKEN or ``hf auth login``), else None: no push."""
+    from huggingface_hub import HfApi, get_token
+
+    return HfApi() if get_token() else None
+
+
+@app.command()
+def push(
+    directory: Path = typer.Argument(..., help="An artifact directory compound wrote (checkpoint or heads, with compound.json)."),
+    repo: str = typer.Option(..., "--repo", help="Hub repo id, namespace/name; created when missing."),
+    private: bool = typer.Option(False, "--private", help="Create the repo private (an existing repo keeps its visibility)."),
+    revision: Optional[str] = typer.Option(None, help="Branch to commit to (created from main when missing); default main."),
+    tag: list[str] = typer.Option([], "--tag", help="Extra model-card tag; repeatable."),
+    results: Optional[Path] = typer.Option(None, help="Measured results (JSON) for the model card's tables (toolkit.hub documents the keys)."),
+):
+    """Publish an artifact with its model card as one commit; the token comes from HF_TOKEN or `hf auth login`."""
+    from huggingface_hub import HfApi
+
+    from toolkit.hub import HubError
+    from toolkit.hub import push as run_push
+
+    try:
+        measured = json.loads(results.read_text()) if results else None
+        out = run_push(HfApi(), directory, repo, private=private, revision=revision, tags=tag, results=measured)
+    except (HubError, OSError, json.JSONDecodeError) as err:
+        _fail(err)
+    Console().print(f"pushed {len(out.files)} files to {out.repo_url}\ncommit {out.commit_oid}", markup=False,
+                    highlight=False, soft_wrap=True)  # unwrapped, to copy
 
 
 @app.command()

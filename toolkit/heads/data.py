@@ -194,7 +194,8 @@ def self_distill(
     greedily (``temperature == 0``) or sampled after ``torch.manual_seed(seed)``, in left-padded batches, up to
     ``max_new_tokens`` or an end-of-sequence token. Records that are not conversations, have no user message, or
     whose prompt exceeds ``max_prompt_len`` tokens are skipped. One line ``{"id", "messages"}`` is appended per
-    record, in record order, flushed every 8 batches (generated shortest prompt first); a rerun skips the ids already in the file, so an interrupted run resumes.
+    record, in record order, flushed every 8 batches (generated shortest prompt first); a rerun skips the ids
+    already in the file, so an interrupted run resumes.
     Returns the first ``n`` records of the file.
     """
     if n <= 0 or batch_size <= 0 or max_new_tokens <= 0:
