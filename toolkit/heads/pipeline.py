@@ -128,7 +128,7 @@ def load_target(spec: str, dtype: torch.dtype):
     return load_model(spec, dtype), load_tokenizer(spec)
 
 
-def _examples(job: HeadsJob, model, tokenizer, console: Console):
+def _examples(job: HeadsJob, model, tokenizer):
     from toolkit.calibration.render import train_records
 
     records = train_records(job.dataset)
@@ -143,17 +143,19 @@ def _examples(job: HeadsJob, model, tokenizer, console: Console):
 
 
 def prepare(job: HeadsJob, console: Console, dry_run: bool = False):
-    """Phases 1-2: examples and hidden states (or the online source); with ``dry_run`` only shows one example."""
-    dtype = getattr(torch, job.dtype)
-    model, tokenizer = load_target(job.model, dtype)
+    """Phases 1-2: examples and hidden states (or the online source); with ``dry_run`` only shows one example of the
+    dataset's own conversations (no model is loaded)."""
     if dry_run:
         from toolkit.calibration.render import train_records
+        from toolkit.models import load_tokenizer
 
+        tokenizer = load_tokenizer(job.model)
         examples = build_examples(tokenizer, train_records(job.dataset), min(job.samples, 8), job.max_len)
         check_trainable(examples)
         show_example(console, tokenizer, examples[0])
         return examples, None, None
-    examples = _examples(job, model, tokenizer, console)
+    model, tokenizer = load_target(job.model, getattr(torch, job.dtype))
+    examples = _examples(job, model, tokenizer)
     tokens = sum(len(e.input_ids) for e in examples)
     hidden_size = model.get_input_embeddings().weight.shape[1]
     console.print(f"{len(examples)} examples, {tokens:,} tokens ({sum(int(e.loss_mask.sum()) for e in examples):,} "
