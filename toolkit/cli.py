@@ -357,7 +357,8 @@ def run(
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact directory (default: the recipe's output, out/<recipe name>)."),
 ):
     """Run a recipe: quantize → evaluate → validate → heads → gates → push, each step cached by fingerprint.
-    Exit status 1 when a gate fails (nothing is pushed), 2 for a bad recipe."""
+    Exit status 1 when a gate fails (nothing is pushed), 2 for a bad recipe or an input a step refuses."""
+    from toolkit.hub import HubError
     from toolkit.recipes import GateError, RecipeError, load_recipe, run_recipe
 
     try:
@@ -371,7 +372,7 @@ def run(
         run_recipe(loaded, resume=resume, dry_run=dry_run, api=_hub_client() if wants_push else None, console=console)
     except GateError:
         raise typer.Exit(1)  # the failed gates and the summary are printed already
-    except (*_user_errors(), ValueError) as err:
+    except (*_user_errors(), HubError, ValueError) as err:
         _fail(err)
 
 

@@ -1,0 +1,276 @@
+"""Recipes: schema errors name the file, line and key; every shipped recipe loads; a tiny pipeline runs every step,
+reruns none of them when resumed, reruns only the heads and what reads them when the heads section changes, and
+pushes nothing past a failed gate. The slow test runs the demo recipe on SmolLM2 through the CLI."""
+
+import dataclasses
+import json
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+import toolkit.evaluate.divergence
+import toolkit.heads.acceptance
+import toolkit.heads.pipeline
+import toolkit.hub
+import toolkit.quantize
+import toolkit.validate
+from toolkit.cli import app
+from toolkit.hub import PushResult
+from toolkit.recipes import GateError, RecipeError, load_recipe, run_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+QUIET = Console(quiet=True)
+# The verbs the steps call, by module: counted in every run test, so "cached" means "not called".
+VERBS = {"quantize": (toolkit.quantize, "quantize"), "evaluate": (toolkit.evaluate.divergence, "divergence"),
+         "validate": (toolkit.validate, "validate"), "heads": (toolkit.heads.pipeline, "train_heads"),
+         "heads_eval": (toolkit.heads.acceptance, "validate_heads")}
+
+TINY = """\
+model: {model}
+output: {output}
+calibration: {{dataset: sharegpt, samples: 4, seq_len: 64}}
+quantize: {{method: rtn, bits: 4, group_size: 32}}
+evaluate: {{windows: 2, seq_len: 64, prompts: 2, new_tokens: 6}}
+heads:
+  num_heads: 2
+  samples: 4
+  max_len: 96
+  distill_tokens: 6
+  distill_batch: 4
+  dtype: float32
+  train_dtype: fp32
+  steps: 2
+  batch_size: 2
+  micro_batch_size: 1
+  warmup_steps: 1
+  eval_every: 2
+  eval_prompts: 1
+  eval_tokens: 4
+gates:
+  max_perplexity_ratio: 1.5
+  min_top1_agreement: 0.1
+  max_kl: {max_kl}
+  min_accepted_length: 1.0
+push: {{repo_id: compound-test/tiny, tags: [test]}}
+"""
+
+
+def _tiny_recipe(tmp_path: Path, model, output: Path, max_kl: float = 1.0) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY.format(model=model, output=output, max_kl=max_kl))
+    return path
+
+
+def _counting(monkeypatch) -> Counter:
+    """Wrap every step's verb with a call counter and replace the Hub push with a recorder (push calls land in
+    ``calls["push"]`` and ``calls.pushed``)."""
+    calls: Counter = Counter()
+    calls.pushed = []
+    for step, (module, name) in VERBS.items():
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _step=step, **k: (calls.update([_step]),
+                                                                                 _real(*a, **k))[1])
+
+    def push(api, directory, repo_id, **options):
+        calls.update(["push"])
+        calls.pushed.append((Path(directory), repo_id, options))
+        return PushResult(f"https://hub.test/{repo_id}", "0" * 40, ["model.safetensors"])
+
+    monkeypatch.setattr(toolkit.hub, "push", push)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def first_run(tiny_llama_dir, tmp_path_factory, one_thread):
+    """One full run of the tiny recipe: (recipe, summary, calls)."""
+    root = tmp_path_factory.mktemp("recipe")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        calls = _counting(monkeypatch)
+        recipe = load_recipe(_tiny_recipe(root, tiny_llama_dir, root / "out"))
+        summary = run_recipe(recipe, api=object(), console=QUIET)
+    return recipe, summary, calls
+
+
+@pytest.fixture
+def copied(first_run, tmp_path):
+    """The first run's recipe pointed at a copy of its output directory, so a test may change it."""
+    recipe = first_run[0]
+    shutil.copytree(recipe.output, tmp_path / "out")
+    return dataclasses.replace(recipe, output=tmp_path / "out")
+
+
+def _statuses(summary) -> dict[str, str]:
+    return {s.name: s.status for s in summary.steps}
+
+
+# ---- schema -------------------------------------------------------------------------------------------------------
+
+BASE = "model: smollm2-135m\nquantize:\n  method: rtn\n  bits: 4\n  group_size: 64\n"
+
+
+@pytest.mark.parametrize("text, line, message", [
+    (BASE.replace("64", "100"), 5, "quantize.group_size: 100 is not supported; must be one of 32, 64, 128, -1"),
+    (BASE.replace("group_size", "grup_size"), 5, "quantize.grup_size: unknown key; did you mean group_size?"),
+    (BASE.replace("bits: 4", "bits: four"), 4, "quantize.bits: expected an integer, got 'four' (str)"),
+    (BASE.replace("bits: 4", "bits: true"), 4, "quantize.bits: expected an integer, got True (bool)"),
+    (BASE.replace("quantize:", "quantise:"), 2, "quantise: unknown key; did you mean quantize?"),
+    (BASE + "  bits: 8\n", 6, "quantize.bits: given twice (first on line 4)"),
+    (BASE + "  sym: false\n  format: gptq\n", 7, "quantize.format: gptq: "),
+    (BASE + "  act_order: true\n", 6, "quantize.act_order: is a GPTQ option"),
+    (BASE + "heads:\n  type: eagle3\n", 7, "heads.type: eagle3 is not implemented yet; use medusa"),
+    (BASE + "heads:\n  batch_size: 6\n  micro_batch_size: 4\n", 6, "heads: batch_size must be a multiple"),
+    (BASE + "push:\n  private: true\n", 6, "push: repo_id is required"),
+    (BASE + "push:\n  repo_id: no-owner\n", 7, "push.repo_id: must be owner/name"),
+    (BASE + "push:\n  repo_id: a/b\n  tags: demo\n", 8, "push.tags: expected a list of strings, got 'demo'"),
+    ("model: smollm2-135m\nheads: {}\ngates:\n  max_kl: 0.1\n", 4, "gates.max_kl: measures the quantized model, "
+                                                                    "and the recipe has no quantize section"),
+    ("quantize: {method: rtn}\n", 1, "model: is required"),
+    ("model: smollm2-135m\n", 1, "a recipe needs a quantize or a heads section"),
+    (BASE + "  skip: [lm_head\n", 7, "not valid YAML"),
+])
+def test_schema_errors_name_the_line_and_the_key(tmp_path, text, line, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    assert str(err.value).startswith(f"{path}:{line}: "), str(err.value)
+    assert message in str(err.value)
+
+
+def test_defaults_and_yaml_floats(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text(BASE + "heads:\n  lr: 1e-3\npush:\n  repo_id: me/model\n")  # YAML 1.1 reads 1e-3 as text
+    recipe = load_recipe(path)
+    assert recipe.heads.lr == 0.001 and recipe.output == Path("out/mine") and recipe.source == path
+    assert recipe.push.heads_repo == "me/model-medusa" and recipe.gates.lossless_required
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_shipped_recipes_load(path):
+    recipe = load_recipe(path)
+    assert recipe.quantize and recipe.heads and recipe.push and recipe.output == Path("out") / path.stem
+    assert recipe.gates.lossless_required and recipe.gates.validate_required
+
+
+def test_the_four_recipes_are_shipped():
+    assert {p.stem for p in RECIPES} >= {"smollm2-135m-demo", "smollm2-135m-full", "llama-3.1-8b-instruct",
+                                         "llama-3.1-70b-instruct"}
+
+
+# ---- runs on a tiny Llama ----------------------------------------------------------------------------------------
+
+def test_a_run_executes_every_step_then_pushes_both_artifacts(first_run):
+    recipe, summary, calls = first_run
+    assert _statuses(summary) == {"quantize": "ran", "evaluate": "ran", "validate": "ran", "heads": "ran",
+                                  "heads_eval": "ran", "gates": "ran", "push": "ran"}
+    assert summary.passed and len(summary.gates) == 6 and all(g.passed for g in summary.gates)
+    assert {k: calls[k] for k in (*VERBS, "push")} == {**dict.fromkeys(VERBS, 1), "push": 2}
+    (ckpt, ckpt_repo, ckpt_options), (heads, heads_repo, heads_options) = calls.pushed
+    assert (ckpt, ckpt_repo) == (recipe.checkpoint, "compound-test/tiny")
+    assert (heads, heads_repo) == (recipe.heads_dir, "compound-test/tiny-medusa")
+    assert ckpt_options["tags"] == ["test"] and ckpt_options["private"] is False
+    assert set(ckpt_options["results"]["divergence"]) >= {"kl", "top1_agreement", "perplexity", "base_perplexity"}
+    assert [r["mode"] for r in heads_options["results"]["acceptance"]] == ["tree", "chain"]
+    # heads are trained against the model they serve: the quantized checkpoint
+    manifest = json.loads((recipe.heads_dir / "compound.json").read_text())
+    assert manifest["target"] == str(recipe.checkpoint)
+    evaluate = summary.step("evaluate").results
+    assert evaluate["tokens"] == 2 * 63 and evaluate["perplexity_ratio"] > 0.9 and evaluate["kl"] > 0
+    assert summary.step("validate").results["ok"] and summary.step("heads_eval").results["chain"]["lossless"]
+    stored = {p.stem for p in (recipe.output / ".steps").glob("*.json")}
+    assert stored == {"quantize", "evaluate", "validate", "heads", "heads_eval", "push"}
+    written = json.loads((recipe.output / "summary.json").read_text())
+    assert written["passed"] and [s["name"] for s in written["steps"]][-1] == "push"
+
+
+def test_resume_runs_no_step_again(copied, monkeypatch):
+    calls = _counting(monkeypatch)
+    summary = run_recipe(copied, api=object(), console=QUIET)
+    assert set(_statuses(summary).values()) == {"cached", "ran"} and _statuses(summary)["gates"] == "ran"
+    assert [s.name for s in summary.steps if s.status == "cached"] == ["quantize", "evaluate", "validate", "heads",
+                                                                       "heads_eval", "push"]
+    assert sum(calls.values()) == 0
+    console = Console(record=True, width=200)
+    without_token = run_recipe(copied, api=None, console=console)
+    assert without_token.step("push").status == "skipped" and "no Hugging Face token" in console.export_text()
+    assert sum(calls.values()) == 0
+
+
+def test_changed_heads_rerun_only_heads_and_downstream(copied, monkeypatch):
+    calls = _counting(monkeypatch)
+    changed = dataclasses.replace(copied, heads=dataclasses.replace(copied.heads, steps=4, eval_every=4))
+    summary = run_recipe(changed, api=object(), console=QUIET)
+    assert _statuses(summary) == {"quantize": "cached", "evaluate": "cached", "validate": "cached", "heads": "ran",
+                                  "heads_eval": "ran", "gates": "ran", "push": "ran"}
+    assert dict(calls) == {"heads": 1, "heads_eval": 1, "push": 2}
+    assert summary.step("heads").results["best_step"] == 4
+
+
+def test_a_failed_gate_stops_the_run_and_pushes_nothing(copied, monkeypatch):
+    calls = _counting(monkeypatch)
+    strict = dataclasses.replace(copied, gates=dataclasses.replace(copied.gates, max_kl=1e-12))
+    with pytest.raises(GateError, match=r"max_kl: measured [0-9.e-]+, threshold <= 1e-12") as err:
+        run_recipe(strict, api=object(), console=QUIET)
+    assert [g.name for g in err.value.summary.gates if not g.passed] == ["max_kl"]
+    assert err.value.summary.step("push") is None and calls["push"] == 0 and sum(calls.values()) == 0
+    assert not json.loads((copied.output / "summary.json").read_text())["passed"]
+
+
+def test_cli_exit_codes_and_messages(copied, tmp_path, tiny_llama_dir, monkeypatch):
+    calls = _counting(monkeypatch)
+    runner = CliRunner()
+    strict = _tiny_recipe(tmp_path, tiny_llama_dir, copied.output, max_kl=1e-12)
+    result = runner.invoke(app, ["run", str(strict)])
+    text = " ".join(result.output.split())  # Rich wraps long lines
+    assert result.exit_code == 1, result.output
+    assert "gate failed max_kl: measured" in text and "threshold <= 1e-12" in text and calls["push"] == 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BASE.replace("64", "100"))
+    result = runner.invoke(app, ["run", str(bad)])
+    assert result.exit_code == 2 and f"{bad}:5:" in result.output and "quantize.group_size: 100" in result.output
+
+
+def test_dry_run_does_nothing(copied, tmp_path, tiny_llama_dir, monkeypatch):
+    calls = _counting(monkeypatch)
+    fresh = dataclasses.replace(copied, output=tmp_path / "fresh")
+    summary = run_recipe(fresh, dry_run=True, api=object(), console=QUIET)
+    assert set(_statuses(summary).values()) == {"would run"} and not fresh.output.exists()
+    planned = run_recipe(copied, dry_run=True, api=object(), console=QUIET)
+    assert [s.name for s in planned.steps if s.status == "cached"] == ["quantize", "evaluate", "validate", "heads",
+                                                                       "heads_eval", "push"]
+    assert all(len(s.fingerprint) == 64 for s in planned.steps if s.name != "gates")
+    no_resume = run_recipe(copied, resume=False, dry_run=True, api=object(), console=QUIET)
+    assert [s.status for s in no_resume.steps][:5] == ["would run"] * 5
+    result = CliRunner().invoke(app, ["run", str(_tiny_recipe(tmp_path, tiny_llama_dir, fresh.output)), "--dry-run"])
+    assert result.exit_code == 0 and "would run" in result.output and not fresh.output.exists()
+    assert sum(calls.values()) == 0
+
+
+# ---- the demo recipe on SmolLM2 ----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_demo_recipe_through_the_cli(tmp_path, monkeypatch):
+    """``compound run recipes/smollm2-135m-demo.yaml`` into a temporary directory, push skipped for want of a token;
+    then ``compound validate`` on its checkpoint passes."""
+    import toolkit.cli
+
+    monkeypatch.setattr(toolkit.cli, "_hub_client", lambda: None)
+    monkeypatch.setattr(toolkit.hub, "push", lambda *a, **k: pytest.fail("pushed without a token"))
+    runner = CliRunner()
+    started = time.perf_counter()
+    result = runner.invoke(app, ["run", str(ROOT / "recipes" / "smollm2-135m-demo.yaml"), "--output",
+                                 str(tmp_path / "demo")])
+    seconds = time.perf_counter() - started
+    assert result.exit_code == 0, result.output[-3000:]
+    assert "push skipped" in result.output
+    summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    assert summary["passed"] and [s["status"] for s in summary["steps"]][:-1] == ["ran"] * 6
+    print(f"demo recipe: {seconds:.0f} s; " + ", ".join(f"{s['name']} {s['seconds']:.0f} s" for s in summary["steps"]))
+    validated = runner.invoke(app, ["validate", "--model", str(tmp_path / "demo" / "checkpoint")])
+    assert validated.exit_code == 0, validated.output[-3000:]
