@@ -93,13 +93,15 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="target dtypes in the decode loop")
     parser.add_argument("--output", type=Path, default=CACHE / "heads-smollm2-medusa")
     parser.add_argument("--reuse", action="store_true", help="evaluate existing outputs without training")
+    parser.add_argument("--keep-work", action="store_true",
+                        help="resume the work directory's data and hidden states instead of timing them afresh")
     parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     args = parser.parse_args()
 
     from toolkit.heads.acceptance import validate_heads
 
     work = args.output.with_name(args.output.name + ".work")
-    if not args.reuse:
+    if not args.reuse and not args.keep_work:
         shutil.rmtree(work, ignore_errors=True)  # time the whole recipe, data generation included
     rows, phases, commands, trainings = [], [], [], {}
     for variant in args.variants.split(","):
