@@ -76,8 +76,8 @@ def hub():
     assert server.errors == []  # no request the server failed to handle
 
 
-def run_client(hub: LocalHub, tmp_path: Path, *args: str,
-               token: str | None = TOKEN) -> tuple[dict, subprocess.CompletedProcess]:
+def run_client(hub: LocalHub, tmp_path: Path, *args: str, token: str | None = TOKEN,
+               timeout: float = 120) -> tuple[dict, subprocess.CompletedProcess]:
     """hub_client.py in a fresh process pointed at ``hub``: (its report, the finished process)."""
     home = tmp_path / f"hf-home-{len(list(tmp_path.glob('hf-home-*')))}"
     home.mkdir()
@@ -91,7 +91,7 @@ def run_client(hub: LocalHub, tmp_path: Path, *args: str,
     if token:
         env["HF_TOKEN"] = token
     done = subprocess.run([sys.executable, str(CLIENT), str(out), *args], env=env, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=timeout)
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
     port = int(hub.endpoint.rsplit(":", 1)[1])
