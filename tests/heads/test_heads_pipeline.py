@@ -4,7 +4,6 @@ selection by accepted length, an export that reads back, and a rerun that resume
 import json
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from toolkit.cli import app
