@@ -20,8 +20,6 @@ the cache as stored) with a float and an INT8 cache, and the cache's memory at `
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -32,7 +30,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from report import markdown_table, update_section  # noqa: E402
+from report import cpu_name, markdown_table, update_section  # noqa: E402
 
 CACHE = ROOT / "benchmarks" / ".cache"
 MODEL = "smollm2-135m"
@@ -119,13 +117,6 @@ def cache_bytes(model, slots: int, kv_dtype=None) -> int:
     cache = Decoder.from_model(model, slots, kv_dtype).cache
     tensors = [cache.k, cache.v] + ([cache.k_scale, cache.v_scale] if cache.quantized else [])
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []:
-        if line.startswith("model name"):
-            return f"{line.split(':', 1)[1].strip()} ({len(os.sched_getaffinity(0))} cores)"
-    return platform.machine()
 
 
 def main() -> None:

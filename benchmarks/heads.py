@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from report import markdown_table, update_section  # noqa: E402
+from report import cpu_name, markdown_table, update_section  # noqa: E402
 
 CACHE = ROOT / "benchmarks" / ".cache"
 MODEL = "smollm2-135m"
@@ -42,16 +41,6 @@ def train_command(args, output: Path, work: Path, shared: bool) -> list[str]:
             "--steps", str(args.steps), "--batch-size", "8", "--micro-batch-size", "8", "--lr", str(args.lr),
             "--eval-every", str(args.eval_every), "--save-every", str(args.eval_every), "--eval-prompts", "3",
             "--eval-tokens", "48", "--overwrite"]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def extrapolate(tau: float, heads: int, distill_tokens: float, train_tokens: float, steps_tokens: float) -> str:

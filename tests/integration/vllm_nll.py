@@ -26,22 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import sys
 
-# Before vllm is imported: CPU backend, the true W4A16 kernel (not the W4A8 AMX path), the engine in this process
-# (so its log lines reach our handler), no telemetry, nothing from the Hub.
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("VLLM_CPU_INT4_W4A8", "0")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; windows are short
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"  # stdout carries only the JSON result
+from vllm_env import configure  # tests/integration, beside this script
+
+configure()  # before vllm is imported
 
 KERNEL_LINE = re.compile(r"Using (\w+Kernel\w*) for ([\w\- ]+)")
 

@@ -24,16 +24,9 @@ import json
 import os
 import sys
 
-# Before vllm is imported: CPU backend, the engine in this process, no telemetry, nothing from the Hub.
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; prompts are short
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"  # stdout carries only the JSON result
+from vllm_env import configure  # tests/integration, beside this script
+
+configure()  # before vllm is imported
 
 COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 
