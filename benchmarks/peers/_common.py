@@ -167,3 +167,18 @@ class Timer:
 
     def __call__(self) -> float:
         return round(time.perf_counter() - self.t0, 3)
+
+
+def perplexity(model, tokens) -> float:
+    """Perplexity of ``model`` over the rows of ``tokens`` [rows, T], each row scored from its second token."""
+    import math
+
+    from torch import inference_mode
+
+    nll, n = 0.0, 0
+    with inference_mode():
+        for row in tokens:
+            out = model(row[None], labels=row[None])
+            nll += out.loss.item() * (row.numel() - 1)
+            n += row.numel() - 1
+    return math.exp(nll / n)

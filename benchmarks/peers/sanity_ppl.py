@@ -7,7 +7,8 @@ evaluator; only to see that a dequantized copy is sane: close to the float model
 from __future__ import annotations
 
 import argparse
-import math
+
+from _common import perplexity
 
 
 def main() -> None:
@@ -24,13 +25,7 @@ def main() -> None:
     toks = torch.load(args.tokens).long()
     for d in args.dirs:
         model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-        nll, n = 0.0, 0
-        with torch.inference_mode():
-            for row in toks:
-                out = model(row[None], labels=row[None])
-                nll += out.loss.item() * (row.numel() - 1)
-                n += row.numel() - 1
-        print(f"ppl={math.exp(nll / n):.4f}  {d}", flush=True)
+        print(f"ppl={perplexity(model, toks):.4f}  {d}", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,24 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 from pathlib import Path
 
+from _common import perplexity
+
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-
-
-def ppl(model, toks) -> float:
-    import torch
-
-    nll, n = 0.0, 0
-    with torch.inference_mode():
-        for row in toks:
-            out = model(row[None], labels=row[None])
-            nll += out.loss.item() * (row.numel() - 1)
-            n += row.numel() - 1
-    return math.exp(nll / n)
 
 
 def main() -> None:
@@ -47,10 +36,10 @@ def main() -> None:
     method = json.loads((run / "result.json").read_text())["method"]
     backend = BACKEND.AWQ_TORCH if method == "awq" else BACKEND.GPTQ_TORCH
     q = GPTQModel.load(str(run / "quantized"), device="cpu", backend=backend, dtype=torch.bfloat16)
-    p_kernel = ppl(q.model, toks)
+    p_kernel = perplexity(q.model, toks)
     del q
     d = AutoModelForCausalLM.from_pretrained(str(run / "dequantized"), dtype=torch.bfloat16).eval()
-    p_dense = ppl(d, toks)
+    p_dense = perplexity(d, toks)
     rel = abs(p_kernel - p_dense) / p_kernel
     print(f"ppl gptqmodel-kernel(bf16)={p_kernel:.4f}  dequantized-dense(bf16)={p_dense:.4f}  rel.diff={rel:.4%}")
     if rel > 0.01:
