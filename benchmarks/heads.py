@@ -112,7 +112,7 @@ def main() -> None:
         torch.set_num_threads(2)
         for dtype in args.dtypes.split(","):
             for r in validate_heads(MODEL, output, args.prompts, args.new_tokens, dtype=getattr(torch, dtype)):
-                rows.append([f"{variant} lm_head", dtype, r.mode, str(len(r.paths)), f"{r.mean_accepted_length:.2f}",
+                rows.append([f"{variant} lm_head", dtype, r.mode, str(r.nodes), f"{r.mean_accepted_length:.2f}",
                              " / ".join(f"{a:.2f}" for a in r.acceptance_rate), f"{r.greedy_tokens_per_s:.1f}",
                              f"{r.speculative_tokens_per_s:.1f}", f"{r.speedup:.2f}×", "yes" if r.lossless else "NO"])
                 print(rows[-1], flush=True)

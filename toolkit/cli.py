@@ -61,6 +61,16 @@ def _user_errors() -> tuple[type[Exception], ...]:
             FileNotFoundError)
 
 
+def _int_list(text: Optional[str], option: str) -> Optional[tuple[int, ...]]:
+    """``"2,15,27"`` -> (2, 15, 27); None stays None."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"{option} takes comma-separated integers such as 2,15,27, got {text!r}") from None
+
+
 def _dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
@@ -201,6 +211,7 @@ def validate(
     prompts: int = typer.Option(8, help="With --heads: held-out prompts decoded."),
     max_new_tokens: int = typer.Option(64, help="With --heads: tokens generated per prompt."),
     heads_dtype: str = typer.Option("float32", "--dtype", help="With --heads: the target's dtype in the decode loop (float32 | bfloat16)."),
+    categories: str = typer.Option("all", help="With --heads: held-out prompt sets, comma-separated, each reported apart: all, code, non-english."),
     dataset: str = typer.Option("sharegpt", help="Held-out source (its eval split)."),
     windows: int = typer.Option(2, help="Held-out windows run on every path."),
     seq_len: int = typer.Option(64, help="Tokens per window (at most 256, where cpu-int4 hands over to the reference)."),
@@ -213,7 +224,7 @@ def validate(
     from toolkit.validate import validate as run_validate
 
     if heads is not None:
-        _validate_heads(model, heads, prompts, max_new_tokens, heads_dtype, json_out)
+        _validate_heads(model, heads, prompts, max_new_tokens, heads_dtype, categories, json_out)
         return
 
     try:
@@ -253,29 +264,33 @@ def validate(
         raise typer.Exit(1)
 
 
-def _validate_heads(model: str, heads: Path, prompts: int, max_new_tokens: int, dtype: str,
+def _validate_heads(model: str, heads: Path, prompts: int, max_new_tokens: int, dtype: str, categories: str,
                     json_out: Optional[Path]) -> None:
     import torch
 
-    from toolkit.heads.acceptance import validate_heads
+    from toolkit.heads.acceptance import recommended, validate_heads
 
     try:
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
-        reports = validate_heads(model, heads, prompts, max_new_tokens, dtype=getattr(torch, dtype))
+        reports = validate_heads(model, heads, prompts, max_new_tokens, dtype=getattr(torch, dtype),
+                                 categories=[c.strip() for c in categories.split(",") if c.strip()])
     except (*_user_errors(), ValueError) as err:
         _fail(err)
     table = Table(title=f"heads {heads} drafting for {model} ({dtype}): {prompts} held-out prompts × "
                         f"{max_new_tokens} tokens")
-    for column in ("mode", "nodes", "accepted length", "acceptance per depth", "tokens/s", "greedy tokens/s",
+    for column in ("mode", "shape", "accepted length", "acceptance per depth", "tokens/s", "greedy tokens/s",
                    "speedup", "lossless"):
-        table.add_column(column, justify="left" if column in ("mode", "acceptance per depth") else "right")
+        table.add_column(column, justify="left" if column in ("mode", "shape", "acceptance per depth") else "right")
     for r in reports:
-        table.add_row(r.mode, str(len(r.paths)), f"{r.mean_accepted_length:.3f}",
+        table.add_row(r.mode, r.shape, f"{r.mean_accepted_length:.3f}",
                       " ".join(f"{a:.2f}" for a in r.acceptance_rate), f"{r.speculative_tokens_per_s:.1f}",
                       f"{r.greedy_tokens_per_s:.1f}", f"{r.speedup:.2f}x",
                       "yes" if r.lossless else "[bold red]NO[/]")
     Console().print(table)
+    best = recommended(reports)
+    Console().print(f"recommended: {best.mode} ({best.shape}), {best.speculative_tokens_per_s:.1f} tokens/s, "
+                    f"{best.speedup:.2f}x plain greedy")
     if json_out:
         json_out.write_text(json.dumps([r.to_dict() for r in reports], indent=2) + "\n")
     if not all(r.lossless for r in reports):
@@ -287,9 +302,15 @@ def _validate_heads(model: str, heads: Path, prompts: int, max_new_tokens: int, 
 def train_heads(
     model: str = typer.Option("smollm2-135m", help="Target: alias, local directory, .gguf, Hub id, or a compound checkpoint (train against the model you serve)."),
     output: Path = typer.Option(..., "--output", "-o", help="Head directory to create."),
-    head: str = typer.Option("medusa", help="Head type: medusa."),
-    num_heads: int = typer.Option(4, help="Heads (tokens drafted beyond the target's own)."),
-    num_layers: int = typer.Option(1, help="Residual blocks per head."),
+    head: str = typer.Option("medusa", help="Head type: medusa | eagle (EAGLE-1/2) | eagle3."),
+    num_heads: int = typer.Option(4, help="Medusa: heads (tokens drafted beyond the target's own)."),
+    num_layers: int = typer.Option(1, help="Medusa: residual blocks per head."),
+    aux_layers: Optional[str] = typer.Option(None, help="eagle3: target layers fused, as transformers hidden_states indices = vLLM ids, e.g. 2,15,27 (default: 2, N/2, N-3)."),
+    draft_vocab: int = typer.Option(32000, help="eagle3: draft vocabulary size, the most frequent trained tokens (capped at the target's vocabulary)."),
+    ttt_steps: int = typer.Option(5, help="eagle3: unrolled draft steps of the training-time test."),
+    depth: int = typer.Option(5, help="EAGLE: draft steps (tree depth; chain length in --select-mode chain)."),
+    top_k: int = typer.Option(4, help="EAGLE: children per expanded node of the EAGLE-2 dynamic tree."),
+    draft_tokens: int = typer.Option(8, help="EAGLE: tree nodes verified per step."),
     shared_lm_head: bool = typer.Option(False, "--shared-lm-head/--own-lm-heads", help="Heads share one frozen copy of the target's lm_head (Medusa-2, vLLM original_lm_head: one output product for all heads) instead of one trained output layer each."),
     dataset: str = typer.Option("sharegpt", help="Conversations: sharegpt, a .json/.jsonl/.parquet file, or a datasets id (its train split)."),
     samples: int = typer.Option(1000, help="Conversations trained on."),
@@ -326,7 +347,9 @@ def train_heads(
                              micro_batch_size=micro_batch_size, dtype=train_dtype, eval_every=eval_every,
                              save_every=save_every, seed=seed)
         job = HeadsJob(model=model, output=output, head=head, num_heads=num_heads, num_layers=num_layers,
-                       shared_lm_head=shared_lm_head,
+                       shared_lm_head=shared_lm_head, aux_layers=_int_list(aux_layers, "--aux-layers"),
+                       draft_vocab=draft_vocab, ttt_steps=ttt_steps, depth=depth, top_k=top_k,
+                       draft_tokens=draft_tokens,
                        dataset=dataset, samples=samples, max_len=max_len, self_distill=self_distill,
                        distill_tokens=distill_tokens, distill_batch=distill_batch, dtype=dtype, online=online,
                        train=config, eval_prompts=eval_prompts, eval_tokens=eval_tokens, select_mode=select_mode,
@@ -336,7 +359,8 @@ def train_heads(
         _fail(err)
     if result.output is None:
         return
-    table = Table(title=f"compound train-heads: {num_heads} {head} heads for {model}")
+    shape = f"{num_heads} medusa heads" if head == "medusa" else f"an {head} head"
+    table = Table(title=f"compound train-heads: {shape} for {model}")
     table.add_column("measure")
     table.add_column("value", justify="right")
     table.add_row("output", str(result.output))
@@ -347,6 +371,25 @@ def train_heads(
     for key, value in result.seconds.items():
         table.add_row(f"seconds, {key.replace('_', ' ')}", f"{value:.0f}")
     Console().print(table)
+    if head != "medusa":
+        _print_eagle_serving(result.output, depth, top_k, draft_tokens)
+
+
+def _print_eagle_serving(output: Path, depth: int, top_k: int, draft_tokens: int) -> None:
+    """The flags that serve an exported EAGLE head: vLLM's chain and SGLang's chain and tree."""
+    from toolkit.heads.eagle_export import serving_flags
+
+    flags = serving_flags(output, str(output), depth)
+    out = Console()
+    out.print(f"serve it with vLLM (chain of {depth}):")
+    out.print(f"  vllm serve TARGET {flags['vllm']}", soft_wrap=True, markup=False, highlight=False)
+    if "sglang" in flags:
+        tree = flags["sglang"].replace("--speculative-eagle-topk 1", f"--speculative-eagle-topk {top_k}").replace(
+            f"--speculative-num-draft-tokens {depth + 1}", f"--speculative-num-draft-tokens {draft_tokens + 1}")
+        out.print("with SGLang (chain, then the EAGLE-2 tree it was selected with):")
+        for line in (flags["sglang"], tree):
+            out.print(f"  python -m sglang.launch_server --model-path TARGET {line}", soft_wrap=True, markup=False,
+                      highlight=False)
 
 
 @app.command()

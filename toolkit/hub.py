@@ -16,7 +16,7 @@ used, and it is never printed or written.
 | ``divergence`` | ``kl``, ``top1_agreement``, ``perplexity``, ``base_perplexity``, ``tokens`` [, ``dataset``, ``windows``, ``seq_len``] | ``toolkit.evaluate.divergence`` |
 | ``evaluate`` | the same as ``perplexity_quantized``, ``perplexity_float``, ``perplexity_ratio``, ``perplexity_increase``, ... | ``compound run`` |
 | ``perplexity`` | ``{"dataset", "windows", "seq_len", "results": [{"model", "perplexity", "nll", "tokens"}]}`` | ``compound eval --json`` |
-| ``acceptance`` | ``[{"mode", "paths", "mean_accepted_length", "acceptance_rate", "speculative_tokens_per_s", ...}]`` | ``compound validate --heads --json`` |
+| ``acceptance`` | ``[{"mode", "shape", "nodes", "mean_accepted_length", "acceptance_rate", "speculative_tokens_per_s", ...}]`` | ``compound validate --heads --json`` |
 | ``heads_eval`` | the same reports keyed by mode | ``compound run`` |
 | ``gates`` | the thresholds checked, as lines of text | ``compound run`` |
 | ``command`` | the exact command line(s) that produced the artifact and the numbers | the caller |
@@ -268,7 +268,7 @@ def _results_body(results: dict | None) -> list[str]:
                   "speedup | lossless |", "|---|---:|---:|---|---:|---:|---:|---|"]
         for r in reports:
             speedup = f"{r['speedup']:.2f}×" if isinstance(r.get("speedup"), (int, float)) else "–"
-            cells = [r.get("mode"), len(r.get("paths", [])) or "–", r.get("mean_accepted_length"),
+            cells = [r.get("mode"), r.get("nodes") or "–", r.get("mean_accepted_length"),
                      " ".join(f"{a:.2f}" for a in r["acceptance_rate"]), r.get("speculative_tokens_per_s", "–"),
                      r.get("greedy_tokens_per_s", "–"), speedup, r.get("lossless", "–")]
             lines.append("| " + " | ".join(_fmt(cell) for cell in cells) + " |")

@@ -108,3 +108,38 @@ def test_online_mode_writes_no_cache(tiny_llama_dir, tmp_path, one_thread):
     result = train_heads(job, Console(quiet=True))
     assert result.best_step == 2 and load_medusa(tmp_path / "heads").config.num_heads == 2
     assert not (job.work / "hidden").exists()
+
+
+@pytest.mark.parametrize("head", ["eagle", "eagle3"])
+def test_cli_trains_and_validates_eagle_heads(tiny_llama_dir, tmp_path, one_thread, head):
+    """train-heads --head eagle|eagle3 through the CLI: cached states of the right layers, a reduced draft vocabulary
+    (eagle3), an export that reads back, and validate --heads measuring it losslessly in every shape."""
+    from toolkit.heads.eagle_export import load_eagle
+
+    out = tmp_path / head
+    args = ["train-heads", "--model", str(tiny_llama_dir), "-o", str(out), "--head", head, "--samples", "4",
+            "--max-len", "96", "--distill-tokens", "6", "--dtype", "float32", "--steps", "2", "--batch-size", "2",
+            "--micro-batch-size", "1", "--eval-every", "2", "--save-every", "2", "--eval-prompts", "1",
+            "--eval-tokens", "4", "--depth", "3", "--top-k", "2", "--draft-tokens", "4", "--ttt-steps", "2",
+            "--draft-vocab", "300"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    loaded = load_eagle(out)
+    assert loaded.config.kind == head
+    assert f'"method": "{head}"' in result.output  # vLLM's serving flags; SGLang's EAGLE-3 needs 3 aux layers:
+    assert ("--speculative-num-steps 3 --speculative-eagle-topk 2" in result.output) == (head == "eagle")
+    work = tmp_path / f"{head}.work"
+    if head == "eagle3":
+        assert loaded.config.draft_vocab_size == 300 and loaded.config.aux_layers == (1,)
+        assert "draft vocabulary: 300" in result.output
+        assert (work / "hidden-1-final" / "index.json").exists()
+    else:
+        assert (work / "hidden" / "index.json").exists()
+    checked = CliRunner().invoke(app, ["validate", "--model", str(tiny_llama_dir), "--heads", str(out),
+                                       "--prompts", "1", "--max-new-tokens", "6", "--json", str(tmp_path / "v.json")])
+    assert checked.exit_code == 0, checked.output
+    assert "recommended:" in checked.output
+    reports = {r["mode"]: r for r in json.loads((tmp_path / "v.json").read_text())}
+    assert reports["tree"]["shape"] == "tree: depth 3, top-2, 4 nodes"  # the shape it was trained and selected with
+    assert reports["chain"]["shape"] == "chain of 3" and set(reports) >= {"chain-2", "chain-4", "tree-wide"}
+    assert all(r["lossless"] for r in reports.values())

@@ -38,10 +38,10 @@ DIVERGENCE = {"kl": 0.01234, "top1_agreement": 0.9375, "perplexity": 12.5, "base
               "dataset": "sharegpt", "windows": 8, "seq_len": 512}
 COMMAND = "compound quantize --model smollm2-135m --method rtn --group-size 64 -o out/tiny"
 ACCEPTANCE = [
-    {"mode": "chain", "paths": [[0], [0, 0], [0, 0, 0]], "mean_accepted_length": 1.8,
+    {"mode": "chain", "shape": "chain of 3", "nodes": 3, "mean_accepted_length": 1.8,
      "acceptance_rate": [0.55, 0.3, 0.2], "lossless": True, "tokens": 256, "speculative_tokens_per_s": 40.0,
      "greedy_tokens_per_s": 30.0, "speedup": 1.333},
-    {"mode": "tree", "paths": [[0], [1], [0, 0]], "mean_accepted_length": 2.1, "acceptance_rate": [0.7, 0.4, 0.25],
+    {"mode": "tree", "shape": "3-node tree", "nodes": 3, "mean_accepted_length": 2.1, "acceptance_rate": [0.7, 0.4, 0.25],
      "lossless": True, "tokens": 256, "speculative_tokens_per_s": 45.0, "greedy_tokens_per_s": 30.0, "speedup": 1.5},
 ]
 

@@ -75,7 +75,7 @@ class Decoder:
     """The forward of a supported causal LM over a static KV cache; build it with ``Decoder.from_model``."""
 
     def __init__(self, model: nn.Module, max_len: int, kv_dtype: torch.dtype | None = None,
-                 kv_scales: torch.Tensor | None = None):
+                 kv_scales: torch.Tensor | None = None, feature_layers: tuple[int, ...] | None = None):
         config = model.config
         if config.model_type not in _FAMILIES:
             raise DecodeError(f"toolkit.decode does not support model_type {config.model_type!r}; "
@@ -109,18 +109,25 @@ class Decoder:
                 attn.k_norm.weight if self.family.qk_norm else None,
                 window,
             ))
-        self.inv_freq, self.attention_scaling = _rope_frequencies(model)
+        self.inv_freq, self.attention_scaling = rope_frequencies(model)
+        if feature_layers is not None and (list(feature_layers) != sorted(set(feature_layers))
+                                           or not all(0 <= i < len(self.layers) for i in feature_layers)):
+            raise DecodeError(f"feature_layers {list(feature_layers)} must be increasing decoder-layer indices in "
+                              f"[0, {len(self.layers)})")
+        self.feature_layers = tuple(feature_layers) if feature_layers else None
         self.setup_cache(max_len, kv_dtype, kv_scales)
 
     @classmethod
     def from_model(cls, model: nn.Module, max_len: int, kv_dtype: torch.dtype | None = None,
-                   kv_scales: torch.Tensor | None = None) -> Decoder:
+                   kv_scales: torch.Tensor | None = None, feature_layers: tuple[int, ...] | None = None) -> Decoder:
         """A decoder sharing ``model``'s modules and tensors, with a cache of ``max_len`` tokens.
 
         kv_dtype: None (the model dtype), a float dtype, or ``torch.int8``. kv_scales: [layers, 2] static INT8 scales
-        (k, v) per layer; None computes them per token and head.
+        (k, v) per layer; None computes them per token and head. feature_layers: return, instead of the final-norm
+        hidden state, the residual streams entering these decoder layers, concatenated (what an EAGLE-3 head reads;
+        index i is transformers' ``hidden_states[i]``).
         """
-        return cls(model, max_len, kv_dtype, kv_scales)
+        return cls(model, max_len, kv_dtype, kv_scales, feature_layers)
 
     def setup_cache(self, max_len: int, kv_dtype: torch.dtype | None = None,
                     kv_scales: torch.Tensor | None = None) -> None:
@@ -141,7 +148,8 @@ class Decoder:
         Slots [0, start) must hold the prefix, with slot i at position i. Without a tree (``depth`` and ``tree_mask``
         None) the tokens are a causal chain at positions start + 0..T-1: prefill and single-token decode. With a tree,
         token j sits at position ``start + depth[j]`` and attends to the prefix and to the tokens i where
-        ``tree_mask[j, i]`` (its ancestors and itself). ``hidden`` is the final-norm output that ``lm_head`` reads.
+        ``tree_mask[j, i]`` (its ancestors and itself). ``hidden`` is the final-norm output that ``lm_head`` reads,
+        or with ``feature_layers`` the residual streams entering those layers, concatenated: [T, len × D].
         """
         T = tokens.shape[0]
         end = start + T
@@ -156,11 +164,16 @@ class Decoder:
         x = F.embedding(tokens.to(self.device), self.embed)  # (T, D)
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
+        features = []
         for i, layer in enumerate(self.layers):
+            if self.feature_layers and i in self.feature_layers:
+                features.append(x)
             x = x + self._attention(i, layer, self._rms_norm(x, layer.attn_norm), start, cos, sin, masks[layer.window])
             h = self._rms_norm(x, layer.mlp_norm)
             x = x + layer.down_proj(self.act(layer.gate_proj(h)) * layer.up_proj(h))
         hidden = self._rms_norm(x, self.norm)
+        if self.feature_layers:
+            return self.lm_head(hidden), torch.cat(features, dim=-1)
         return self.lm_head(hidden), hidden
 
     __call__ = forward
@@ -173,8 +186,8 @@ class Decoder:
         v = layer.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
         if self.family.qk_norm:
             q, k = self._rms_norm(q, layer.q_norm), self._rms_norm(k, layer.k_norm)
-        q = _rope(q.transpose(0, 1), cos, sin).unsqueeze(0)  # (1, H, T, hd)
-        k = _rope(k.transpose(0, 1), cos, sin).unsqueeze(0)  # (1, KVH, T, hd)
+        q = apply_rope(q.transpose(0, 1), cos, sin).unsqueeze(0)  # (1, H, T, hd)
+        k = apply_rope(k.transpose(0, 1), cos, sin).unsqueeze(0)  # (1, KVH, T, hd)
         v = v.transpose(0, 1).unsqueeze(0)  # (1, KVH, T, hd)
         self.cache.write(i, start, k, v)
         k, v = self.cache.read(i, start + T)  # (1, KVH, start + T, hd)
@@ -205,13 +218,13 @@ class Decoder:
         return weight * x32.to(x.dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of x [heads, T, head_dim] in the rotate-half layout; cos, sin [T, head_dim]."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def _rope_frequencies(model: nn.Module) -> tuple[torch.Tensor, float]:
+def rope_frequencies(model: nn.Module) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim / 2], attention_scaling) of a static RoPE scheme, taken from the model's rotary module."""
     config = model.config
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}

@@ -3,11 +3,14 @@ tokens/s against plain greedy, and losslessness (speculative greedy output ident
 
 Two proposal shapes for Medusa: ``chain_paths(K)``, each head's top-1 in a chain, which is what vLLM serves
 (``method: medusa``), and ``DEFAULT_TREE``, a small static tree (Medusa's sparse trees, cut to 12 nodes because a CPU
-target pays for every node it verifies).
+target pays for every node it verifies). EAGLE heads draft a chain of k tokens (vLLM's ``eagle``/``eagle3``) or an
+EAGLE-2 dynamic tree (SGLang's steps / top-k / draft tokens), ``toolkit.heads.eagle_draft.TreeShape``. Held-out
+prompts can be restricted to code or non-English ones (``prompt_category``): acceptance drops out of distribution.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -18,7 +21,8 @@ from torch import nn
 
 from toolkit.calibration.sources import load_records
 from toolkit.calibration.splits import iter_split
-from toolkit.decode import Decoder, MedusaDrafter, generate, speculative_generate
+from toolkit.decode import Decoder, Drafter, MedusaDrafter, generate, speculative_generate
+from toolkit.heads.eagle_draft import EagleDrafter, TreeShape, eagle_decoder
 
 # Top-k ranks per depth, most likely paths first (the shape of Medusa's sparse trees, cut to 12 nodes).
 DEFAULT_TREE = [(0,), (1,), (2,), (3,), (0, 0), (0, 1), (1, 0), (0, 2), (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 0, 0, 0)]
@@ -34,10 +38,29 @@ def tree_for(num_heads: int) -> list[tuple[int, ...]]:
     return [p for p in DEFAULT_TREE if len(p) <= num_heads]
 
 
+CATEGORIES = ("all", "code", "non-english")
+_CODE = re.compile(r"```|\b(def|class|function|import|return|SELECT|#include|console\.log|public static)\b")
+
+
+def prompt_category(text: str) -> str:
+    """"non-english" when under 70 % of the letters are ASCII, "code" when it holds a code fence or code keywords
+    next to code punctuation, else "english"."""
+    letters = [c for c in text if c.isalpha()]
+    if letters and sum(c.isascii() for c in letters) / len(letters) < 0.7:
+        return "non-english"
+    if _CODE.search(text) and re.search(r"[{}();=]", text):
+        return "code"
+    return "english"
+
+
 def heldout_prompts(tokenizer, n: int, max_prompt_tokens: int = 256, skip: int = 0,
-                    source: str = "sharegpt") -> list[torch.Tensor]:
-    """Chat-templated first user turns of ``source``'s eval split (never trained or calibrated on): records
-    ``skip`` .. ``skip + n`` of those whose prompt fits ``max_prompt_tokens``."""
+                    source: str = "sharegpt", category: str = "all", partial: bool = False) -> list[torch.Tensor]:
+    """Chat-templated first user turns of ``source``'s eval split (never trained or calibrated on) whose prompt fits
+    ``max_prompt_tokens``: the first ``n`` after the first ``skip`` of them that are, unless ``category`` is "all", of
+    that ``prompt_category`` (so the skipped prompts are never returned, whatever the category). partial: return fewer than ``n`` when the split has fewer (at least one), instead of
+    raising (the eval split holds only a few non-English prompts)."""
+    if category not in CATEGORIES:
+        raise ValueError(f"prompt category must be one of {', '.join(CATEGORIES)}, got {category!r}")
     prompts: list[torch.Tensor] = []
     seen = 0
     for record in iter_split(load_records(source), "eval"):
@@ -51,22 +74,24 @@ def heldout_prompts(tokenizer, n: int, max_prompt_tokens: int = 256, skip: int =
         if len(ids) > max_prompt_tokens:
             continue
         seen += 1
-        if seen > skip:
+        if seen > skip and (category == "all" or prompt_category(turns[0]["content"]) == category):
             prompts.append(torch.tensor(ids, dtype=torch.long))
         if len(prompts) == n:
             break
-    if len(prompts) < n:
-        raise ValueError(f"only {len(prompts)} held-out prompts of at most {max_prompt_tokens} tokens in {source}; "
-                         f"asked for {n}")
+    if len(prompts) < n and not (partial and prompts):
+        raise ValueError(f"only {len(prompts)} held-out {category} prompts of at most {max_prompt_tokens} tokens in "
+                         f"{source}; asked for {n}")
     return prompts
 
 
 @dataclass
 class AcceptanceReport:
-    """Speculative decoding of held-out prompts against plain greedy, for one proposal shape."""
+    """Speculative decoding of held-out prompts against plain greedy, for one proposal shape (``nodes`` draft tokens
+    verified per step)."""
 
     mode: str
-    paths: list[tuple[int, ...]]
+    shape: str
+    nodes: int
     mean_accepted_length: float
     acceptance_rate: list[float]  # per depth d (index d - 1): P(depth d accepted | depth d - 1 accepted)
     lossless: bool
@@ -107,19 +132,12 @@ def greedy_outputs(target: nn.Module, prompts: Sequence[torch.Tensor], max_new_t
 
 
 @torch.inference_mode()
-def measure_acceptance(target: nn.Module, heads: nn.Module, prompts: Sequence[torch.Tensor], max_new_tokens: int,
-                       paths: list[tuple[int, ...]], mode: str, eos_token_id: int | None = None,
-                       greedy: list[torch.Tensor] | None = None, greedy_s: float | None = None,
-                       draft_dtype: torch.dtype = torch.bfloat16) -> AcceptanceReport:
-    """Decode each prompt with Medusa ``heads`` drafting ``paths`` and compare with plain greedy decoding.
-
-    greedy / greedy_s: plain greedy outputs and their total seconds from an earlier call, to reuse (the target is the
-    same); computed when None. Accepted length is pooled over all verify steps of all prompts.
-    """
-    decoder = Decoder.from_model(target, max(len(p) for p in prompts) + max_new_tokens + len(paths) + 1)
-    drafter = MedusaDrafter(heads_callable(heads, draft_dtype), paths)
-    if greedy is None:
-        greedy, greedy_s = greedy_outputs(target, prompts, max_new_tokens, eos_token_id)
+def measure_drafter(decoder: Decoder, drafter: Drafter, prompts: Sequence[torch.Tensor], max_new_tokens: int,
+                    mode: str, shape: str, nodes: int, eos_token_id: int | None, greedy: list[torch.Tensor],
+                    greedy_s: float) -> AcceptanceReport:
+    """Decode each prompt with ``drafter`` and compare with plain greedy decoding (``greedy``, taking ``greedy_s``
+    seconds). ``decoder`` must hold the longest prompt, the new tokens and one more proposal. Accepted length is
+    pooled over all verify steps of all prompts."""
     accepted: list[int] = []
     reached: list[int] = []
     hits: list[int] = []
@@ -139,7 +157,7 @@ def measure_acceptance(target: nn.Module, heads: nn.Module, prompts: Sequence[to
         spec_s += stats.total_s
     greedy_tokens = sum(len(g) - len(p) for g, p in zip(greedy, prompts))
     return AcceptanceReport(
-        mode=mode, paths=paths,
+        mode=mode, shape=shape, nodes=nodes,
         mean_accepted_length=1.0 + sum(accepted) / len(accepted) if accepted else 1.0,
         acceptance_rate=[a / r if r else 0.0 for a, r in zip(hits, reached)],
         lossless=lossless, tokens=tokens,
@@ -149,27 +167,126 @@ def measure_acceptance(target: nn.Module, heads: nn.Module, prompts: Sequence[to
     )
 
 
+def _greedy(target, prompts, max_new_tokens, eos_token_id, greedy, greedy_s):
+    if greedy is None:
+        return greedy_outputs(target, prompts, max_new_tokens, eos_token_id)
+    return greedy, greedy_s
+
+
+def measure_acceptance(target: nn.Module, heads: nn.Module, prompts: Sequence[torch.Tensor], max_new_tokens: int,
+                       paths: list[tuple[int, ...]], mode: str, eos_token_id: int | None = None,
+                       greedy: list[torch.Tensor] | None = None, greedy_s: float | None = None,
+                       draft_dtype: torch.dtype = torch.bfloat16) -> AcceptanceReport:
+    """Medusa ``heads`` drafting ``paths`` for ``target`` (see ``measure_drafter``).
+
+    greedy / greedy_s: plain greedy outputs and their total seconds from an earlier call, to reuse (the target is the
+    same); computed when None.
+    """
+    decoder = Decoder.from_model(target, max(len(p) for p in prompts) + max_new_tokens + len(paths) + 1)
+    drafter = MedusaDrafter(heads_callable(heads, draft_dtype), paths)
+    greedy, greedy_s = _greedy(target, prompts, max_new_tokens, eos_token_id, greedy, greedy_s)
+    shape = f"chain of {len(paths)}" if paths == chain_paths(len(paths)) else f"{len(paths)}-node tree"
+    return measure_drafter(decoder, drafter, prompts, max_new_tokens, mode, shape, len(paths), eos_token_id, greedy,
+                           greedy_s)
+
+
+def measure_eagle(target: nn.Module, head: nn.Module, prompts: Sequence[torch.Tensor], max_new_tokens: int,
+                  shape: TreeShape, mode: str, eos_token_id: int | None = None,
+                  greedy: list[torch.Tensor] | None = None, greedy_s: float | None = None) -> AcceptanceReport:
+    """An attached EAGLE ``head`` drafting in ``shape`` for ``target`` (see ``measure_drafter``)."""
+    max_len = max(len(p) for p in prompts) + max_new_tokens + shape.nodes + 1
+    drafter = EagleDrafter(head, shape.depth, shape.top_k, shape.total_tokens, max_len=max_len)
+    greedy, greedy_s = _greedy(target, prompts, max_new_tokens, eos_token_id, greedy, greedy_s)
+    return measure_drafter(eagle_decoder(target, max_len, head), drafter, prompts, max_new_tokens, mode,
+                           shape.describe(), shape.nodes, eos_token_id, greedy, greedy_s)
+
+
+def eagle_shapes(tree: TreeShape, chain: int) -> list[tuple[str, TreeShape]]:
+    """The shapes validation measures: ``tree`` (SGLang's dynamic tree), ``chain`` (vLLM's ``chain`` speculative
+    tokens), and shorter and longer chains and a wider tree, to recommend the fastest."""
+    shapes = [("tree", tree), ("chain", TreeShape(chain))]
+    for k in sorted({max(1, chain - 1), chain + 1}):
+        shapes.append((f"chain-{k}", TreeShape(k)))
+    wide = TreeShape(tree.depth + 1, tree.top_k, 2 * tree.nodes)
+    shapes.append(("tree-wide", wide))
+    return shapes
+
+
+def recommended(reports: Sequence[AcceptanceReport]) -> AcceptanceReport:
+    """The lossless report with the most tokens/s."""
+    return max((r for r in reports if r.lossless), key=lambda r: r.speculative_tokens_per_s, default=reports[0])
+
 
 def validate_heads(target_spec: str, heads_dir, prompts: int = 8, max_new_tokens: int = 64, skip: int = 4,
-                   dtype: torch.dtype = torch.float32) -> list[AcceptanceReport]:
-    """Medusa heads from ``heads_dir`` drafting for ``target_spec`` (run in ``dtype``) on held-out prompts, in the
-    static tree and the top-1 chain that vLLM serves (one report each). Lossless means the speculative output equals
-    plain greedy decoding in the same loop and dtype; in bfloat16 a near-tie can round differently in a tree forward
-    than in a one-token forward, which float32 makes vanishingly rare.
+                   dtype: torch.dtype = torch.float32, categories: Sequence[str] = ("all",),
+                   tree: TreeShape | None = None, chain: int | None = None) -> list[AcceptanceReport]:
+    """Heads from ``heads_dir`` (Medusa or EAGLE, told apart by their config) drafting for ``target_spec`` (run in
+    ``dtype``) on held-out prompts. Medusa: its static tree and the top-1 chain that vLLM serves. EAGLE: ``tree`` (an
+    EAGLE-2 dynamic tree as SGLang drafts) and vLLM's chain of ``chain`` tokens (defaults: ``trained_shape``), and on
+    the first category neighbouring shapes to recommend the fastest (``recommended``).
+    categories: prompt subsets (``CATEGORIES``), each reported separately (mode suffixed with the category).
 
-    skip: held-out prompts left out at the start (``train-heads`` selects checkpoints on the first 4).
+    Lossless means the speculative output equals plain greedy decoding in the same loop and dtype; in bfloat16 a
+    near-tie can round differently in a tree forward than in a one-token forward, which float32 makes vanishingly
+    rare. skip: held-out prompts left out at the start (``train-heads`` selects checkpoints on the first 4).
     """
-    from toolkit.heads.export import load_medusa
     from toolkit.heads.pipeline import load_target
 
-    heads = load_medusa(heads_dir).float()
     target, tokenizer = load_target(target_spec, dtype)
-    if heads.config.hidden_size != target.config.hidden_size or heads.config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"heads of hidden {heads.config.hidden_size} / vocab {heads.config.vocab_size} do not fit "
-                         f"{target_spec} (hidden {target.config.hidden_size} / vocab {target.config.vocab_size})")
-    chosen = heldout_prompts(tokenizer, prompts, skip=skip)
-    greedy, greedy_s = greedy_outputs(target, chosen, max_new_tokens, tokenizer.eos_token_id)
-    K = heads.config.num_heads
-    return [measure_acceptance(target, heads, chosen, max_new_tokens, paths, mode, tokenizer.eos_token_id,
-                               greedy, greedy_s)
-            for mode, paths in (("tree", tree_for(K)), ("chain", chain_paths(K)))]
+    eagle = is_eagle_dir(heads_dir)
+    if eagle:
+        from toolkit.heads.eagle_export import load_eagle
+
+        head = load_eagle(heads_dir).float().attach(target)
+        trained_tree, trained_chain = trained_shape(heads_dir)
+        tree, chain = tree or trained_tree, chain or trained_chain
+    else:
+        from toolkit.heads.export import load_medusa
+
+        heads = load_medusa(heads_dir).float()
+        if (heads.config.hidden_size != target.config.hidden_size
+                or heads.config.vocab_size != target.config.vocab_size):
+            raise ValueError(f"heads of hidden {heads.config.hidden_size} / vocab {heads.config.vocab_size} do not "
+                             f"fit {target_spec} (hidden {target.config.hidden_size} / vocab "
+                             f"{target.config.vocab_size})")
+    reports = []
+    for n, category in enumerate(categories):
+        chosen = heldout_prompts(tokenizer, prompts, skip=skip, category=category, partial=category != "all")
+        greedy, greedy_s = greedy_outputs(target, chosen, max_new_tokens, tokenizer.eos_token_id)
+        suffix = "" if category == "all" else f" ({category})"
+        if eagle:
+            shapes = eagle_shapes(tree, chain) if n == 0 else [("tree", tree), ("chain", TreeShape(chain))]
+            reports += [measure_eagle(target, head, chosen, max_new_tokens, shape, mode + suffix,
+                                      tokenizer.eos_token_id, greedy, greedy_s) for mode, shape in shapes]
+        else:
+            K = heads.config.num_heads
+            reports += [measure_acceptance(target, heads, chosen, max_new_tokens, paths, mode + suffix,
+                                           tokenizer.eos_token_id, greedy, greedy_s)
+                        for mode, paths in (("tree", tree_for(K)), ("chain", chain_paths(K)))]
+    return reports
+
+
+def trained_shape(directory) -> tuple[TreeShape, int]:
+    """(tree, chain length) an EAGLE head was selected with (its manifest's ``training.draft_shape``), else
+    SGLang's Llama default tree (depth 5, top-4, 8 nodes) and vLLM's usual chain of 3."""
+    import json
+    from pathlib import Path
+
+    from toolkit.formats.checkpoint import MANIFEST
+
+    manifest = Path(directory) / MANIFEST
+    shape = json.loads(manifest.read_text()).get("training", {}).get("draft_shape") if manifest.is_file() else None
+    if not shape:
+        return TreeShape(5, 4, 8), 3
+    return TreeShape(shape["depth"], shape["top_k"], shape["draft_tokens"]), shape["depth"]
+
+
+def is_eagle_dir(directory) -> bool:
+    """Whether a head directory holds an EAGLE head (its config names an EAGLE architecture)."""
+    import json
+    from pathlib import Path
+
+    config = Path(directory) / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"no config.json in {directory}: not a head directory written by train-heads")
+    return "eagle" in json.dumps(json.loads(config.read_text()).get("architectures", [])).lower()

@@ -1,18 +1,22 @@
 """``compound train-heads``: data → hidden states → training with selection by accepted length → export.
 
     job = HeadsJob(model="smollm2-135m", output=Path("out/smollm2-medusa"), samples=1000)
+    job = HeadsJob(model="smollm2-135m", output=Path("out/smollm2-eagle3"), head="eagle3", draft_vocab=8192)
     result = train_heads(job, console)
+
+Heads (``head``): ``medusa`` (``toolkit.heads.medusa``), ``eagle`` (EAGLE-1) and ``eagle3`` (``toolkit.heads.eagle``).
 
 Phases, each resumable by rerunning the same command (the work directory ``<output>.work`` keeps their state):
 
 1. data: the train split of ``dataset``; with ``self_distill`` its first user turns answered again by the target
    (``work/distill.jsonl``, appended per batch), rendered with the chat template, loss on assistant tokens only;
-2. hidden states: the target (in ``dtype``) run over the examples, cached in ``work/hidden`` (or computed while
-   training with ``online``);
+2. hidden states: the target (in ``dtype``) run over the examples, cached in ``work/hidden`` (final-norm states;
+   eagle3's aux layers and the final one in ``work/hidden-<layers>``), or computed while training with ``online``;
 3. training: ``toolkit.heads.train`` with checkpoints in ``work/train-<head shape>``; every ``eval_every`` steps the heads draft
    for the float32 target in compound's decode loop on ``eval_prompts`` held-out prompts, and the best by mean
-   accepted length (``select_mode`` tree or chain) is kept;
-4. export: the best heads in ``layout`` (vLLM or original Medusa) with a manifest naming the target and its hash.
+   accepted length (``select_mode`` tree or chain; EAGLE-3's peaks before its loss stops falling) is kept;
+4. export: the best heads in ``layout`` (Medusa: vLLM or original; EAGLE: ``toolkit.heads.eagle_export``) with a
+   manifest naming the target and its hash.
 
 The target is loaded once per phase that needs it, never twice at a time, except with ``online`` (the ``dtype``
 copy feeds training while the float32 copy judges acceptance).
@@ -31,13 +35,15 @@ from rich.console import Console
 from toolkit.formats.checkpoint import sha256_file
 from toolkit.heads import acceptance
 from toolkit.heads.data import build_examples, check_trainable, self_distill, show_example
+from toolkit.heads.eagle import EagleHead, default_aux_layers, draft_vocabulary, eagle3_loss, eagle_loss
+from toolkit.heads.eagle_draft import TreeShape
 from toolkit.heads.export import export_medusa, load_medusa
 from toolkit.heads.hidden_states import (HiddenStateDataset, OnlineHiddenStates, cache_bytes, cache_hidden_states,
                                          INDEX)
 from toolkit.heads.medusa import MedusaHeads, medusa_loss
 from toolkit.heads.train import TrainConfig, train
 
-HEADS = ("medusa",)
+HEADS = ("medusa", "eagle", "eagle3")
 SELECT_MODES = ("tree", "chain")
 
 
@@ -48,9 +54,15 @@ class HeadsJob:
     model: str
     output: Path
     head: str = "medusa"
-    num_heads: int = 4
-    num_layers: int = 1
-    shared_lm_head: bool = False
+    num_heads: int = 4  # medusa
+    num_layers: int = 1  # medusa
+    shared_lm_head: bool = False  # medusa
+    aux_layers: tuple[int, ...] | None = None  # eagle3: transformers hidden_states indices; None = (2, N // 2, N - 3)
+    draft_vocab: int = 32000  # eagle3: draft vocabulary size (capped at the target's)
+    ttt_steps: int = 5  # eagle3: unrolled draft steps of the training-time test
+    depth: int = 5  # eagle: draft steps (tree depth; the chain length in chain mode)
+    top_k: int = 4  # eagle: children per expanded node of the dynamic tree
+    draft_tokens: int = 8  # eagle: tree nodes verified per step
     dataset: str = "sharegpt"
     samples: int = 1000
     max_len: int = 1024
@@ -77,6 +89,8 @@ class HeadsJob:
             raise ValueError(f"need --samples >= 1 and --max-len >= 8, got {self.samples} and {self.max_len}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"--dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        if min(self.draft_vocab, self.ttt_steps, self.depth, self.top_k, self.draft_tokens) < 1:
+            raise ValueError("--draft-vocab, --ttt-steps, --depth, --top-k and --draft-tokens must be >= 1")
 
     @property
     def work(self) -> Path:
@@ -85,8 +99,25 @@ class HeadsJob:
     @property
     def train_dir(self) -> Path:
         """Training state of this head shape: runs of other shapes can share the work directory's data."""
+        if self.head == "eagle":
+            return self.work / "train-eagle"
+        if self.head == "eagle3":
+            layers = "-".join(map(str, self.aux_layers)) if self.aux_layers else "default"
+            return self.work / f"train-eagle3-l{layers}-v{self.draft_vocab}-s{self.ttt_steps}"
         output = "shared" if self.shared_lm_head else "own"
         return self.work / f"train-{self.head}-k{self.num_heads}-l{self.num_layers}-{output}"
+
+    def hidden_layers(self, num_layers: int) -> list[int]:
+        """The target hidden states the head trains on: the final-norm state (-1), after eagle3's aux layers."""
+        if self.head != "eagle3":
+            return [-1]
+        return [*(self.aux_layers or default_aux_layers(num_layers)), -1]
+
+    @property
+    def tree(self) -> TreeShape:
+        """The EAGLE draft shape selected on: the dynamic tree, or the chain of ``depth`` (vLLM's)."""
+        return TreeShape(self.depth, self.top_k, self.draft_tokens) if self.select_mode == "tree" else \
+            TreeShape(self.depth)
 
 
 @dataclass
@@ -159,17 +190,19 @@ def prepare(job: HeadsJob, console: Console, dry_run: bool = False):
     tokens = sum(len(e.input_ids) for e in examples)
     hidden_size = model.get_input_embeddings().weight.shape[1]
     console.print(f"{len(examples)} examples, {tokens:,} tokens ({sum(int(e.loss_mask.sum()) for e in examples):,} "
-                  f"trained); hidden-state cache {cache_bytes(tokens, hidden_size) / 2**20:,.0f} MiB"
+                  f"trained); hidden-state cache "
+                  f"{cache_bytes(tokens, hidden_size, len(job.hidden_layers(model.config.num_hidden_layers))) / 2**20:,.0f} MiB"
                   + (" (not written: --online)" if job.online else f" in {job.work / 'hidden'}"))
+    layers = job.hidden_layers(model.config.num_hidden_layers)
     if job.online:
-        return examples, OnlineHiddenStates(model, examples), model
-    cache = job.work / "hidden"
+        return examples, OnlineHiddenStates(model, examples, layers), model
+    cache = job.work / ("hidden" if layers == [-1] else "hidden-" + "-".join(map(str, layers)).replace("-1", "final"))
     if (cache / INDEX).exists():
         data = HiddenStateDataset(cache)
-        if [e["id"] for e in data.examples] != [e.id for e in examples]:
+        if [e["id"] for e in data.examples] != [e.id for e in examples] or data.layers != layers:
             raise ValueError(f"{cache} holds hidden states of other examples; remove it or use another --work-dir")
     else:
-        data = cache_hidden_states(model, examples, cache, target=target_identity(job.model))
+        data = cache_hidden_states(model, examples, cache, layers=layers, target=target_identity(job.model))
     del model
     return examples, data, None
 
@@ -194,8 +227,8 @@ def train_heads(job: HeadsJob, console: Console, dry_run: bool = False) -> Heads
     prepared = time.perf_counter()
 
     target, tokenizer = load_target(job.model, torch.float32)
-    heads = MedusaHeads.from_target(target, job.num_heads, job.num_layers, job.shared_lm_head)
-    paths = acceptance.tree_for(job.num_heads) if job.select_mode == "tree" else acceptance.chain_paths(job.num_heads)
+    torch.manual_seed(job.train.seed)
+    heads, loss_fn, count_fn, measure = _head_for(job, target, examples, console if rank == 0 else None)
     prompts = acceptance.heldout_prompts(tokenizer, job.eval_prompts)
     greedy_cache: dict = {}
 
@@ -203,18 +236,11 @@ def train_heads(job: HeadsJob, console: Console, dry_run: bool = False) -> Heads
         if not greedy_cache:  # plain greedy is the same at every evaluation
             greedy_cache["out"], greedy_cache["s"] = acceptance.greedy_outputs(target, prompts, job.eval_tokens,
                                                                                tokenizer.eos_token_id)
-        report = acceptance.measure_acceptance(target, model, prompts, job.eval_tokens, paths, job.select_mode,
-                                               tokenizer.eos_token_id, greedy_cache["out"], greedy_cache["s"])
+        report = measure(model, prompts, tokenizer.eos_token_id, greedy_cache["out"], greedy_cache["s"])
         if not report.lossless:
             raise RuntimeError("speculative decoding with the heads changed the greedy output: a decode-loop bug")
         return {"mean_accepted_length": report.mean_accepted_length,
                 **{f"acceptance_{d + 1}": a for d, a in enumerate(report.acceptance_rate)}}
-
-    def loss_fn(model, batch):
-        return medusa_loss(model, batch["hidden"], batch["input_ids"], batch["loss_mask"])
-
-    def count_fn(batch):  # labels head 0 sees: the first two positions have no hidden state 2 tokens earlier
-        return int(batch["loss_mask"][:, 2:].sum())
 
     config = replace(job.train, select_metric="mean_accepted_length")
     result = train(heads, loss_fn, data, config, job.train_dir, eval_fn=eval_fn, count_fn=count_fn)
@@ -228,15 +254,67 @@ def train_heads(job: HeadsJob, console: Console, dry_run: bool = False) -> Heads
     extra = {"training": {"examples": len(examples), "tokens": tokens, "trained_tokens": trained,
                           "self_distill": job.self_distill, "dataset": job.dataset, "steps": result.steps,
                           "best_step": result.best_step, "best_metrics": result.best_metrics,
-                          "select_mode": job.select_mode, "config": asdict(config)}}
-    export_medusa(heads, job.output, layout=job.layout, target=job.model,
-                  target_sha256=target_identity(job.model)["sha256"], overwrite=job.overwrite, extra_manifest=extra)
-    load_medusa(job.output)  # the written directory reads back with every tensor
+                          "select_mode": job.select_mode, "config": asdict(config), "head": job.head}}
+    if job.head != "medusa":
+        extra["training"]["draft_shape"] = {"depth": job.depth, "top_k": job.top_k, "draft_tokens": job.draft_tokens}
+        extra["training"]["ttt_steps"] = job.ttt_steps if job.head == "eagle3" else None
+    sha256 = target_identity(job.model)["sha256"]
+    if job.head == "medusa":
+        export_medusa(heads, job.output, layout=job.layout, target=job.model, target_sha256=sha256,
+                      overwrite=job.overwrite, extra_manifest=extra)
+        load_medusa(job.output)  # the written directory reads back with every tensor
+    else:
+        from toolkit.heads.eagle_export import export_eagle, load_eagle
+
+        export_eagle(heads, job.output, target=job.model, target_sha256=sha256, overwrite=job.overwrite,
+                     extra_manifest=extra)
+        load_eagle(job.output)
     seconds = {"data_and_hidden_states": prepared - started, "training": trained_at - prepared,
                "total": time.perf_counter() - started}
     (job.train_dir / "timings.json").write_text(json.dumps(seconds, indent=1))
     return HeadsResult(job.output, len(examples), tokens, trained, result.best_step, result.best_metrics, seconds)
 
+
+def _head_for(job: HeadsJob, target, examples, console: Console | None):
+    """(new head, loss_fn, count_fn, measure(head, prompts, eos, greedy, greedy_s) -> AcceptanceReport) of ``job``."""
+    def count_fn(batch):  # labels the first draft sees: the first two positions have no hidden state 2 tokens earlier
+        return int(batch["loss_mask"][:, 2:].sum())
+
+    if job.head == "medusa":
+        heads = MedusaHeads.from_target(target, job.num_heads, job.num_layers, job.shared_lm_head)
+        paths = acceptance.tree_for(job.num_heads) if job.select_mode == "tree" else \
+            acceptance.chain_paths(job.num_heads)
+
+        def measure(model, prompts, eos, greedy, greedy_s):
+            return acceptance.measure_acceptance(target, model, prompts, job.eval_tokens, paths, job.select_mode, eos,
+                                                 greedy, greedy_s)
+
+        return heads, lambda model, batch: medusa_loss(model, batch["hidden"], batch["input_ids"],
+                                                       batch["loss_mask"]), count_fn, measure
+
+    def measure(model, prompts, eos, greedy, greedy_s):
+        return acceptance.measure_eagle(target, model, prompts, job.eval_tokens, job.tree, job.select_mode, eos,
+                                        greedy, greedy_s)
+
+    if job.head == "eagle":
+        head = EagleHead.from_target(target, "eagle")
+        return head, lambda model, batch: eagle_loss(model, batch["hidden"], batch["input_ids"],
+                                                     batch["loss_mask"]), count_fn, measure
+    V = target.get_output_embeddings().weight.shape[0]
+    vocab, covered = draft_vocabulary([e.input_ids[e.loss_mask] for e in examples], V, min(job.draft_vocab, V))
+    if console is not None:
+        console.print(f"draft vocabulary: {len(vocab):,} of {V:,} target tokens, covering {covered:.1%} of the "
+                      f"trained labels")
+    head = EagleHead.from_target(target, "eagle3", job.aux_layers, vocab)
+    lm_head = target.get_output_embeddings().weight
+
+    def loss_fn(model, batch):
+        return eagle3_loss(model, batch["hidden"], batch["input_ids"], batch["loss_mask"], lm_head, job.ttt_steps)
+
+    def eagle3_count(batch):  # eagle3_loss trains only labels in the draft vocabulary
+        return int((head.t2d[batch["input_ids"]] & batch["loss_mask"])[:, 2:].sum())
+
+    return head, loss_fn, eagle3_count, measure
 
 
 def _join_process_group() -> int:

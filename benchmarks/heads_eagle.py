@@ -1,0 +1,160 @@
+"""EAGLE-3 and EAGLE-1 heads for SmolLM2-135M-Instruct trained on this CPU: time per phase, accepted length on
+held-out ShareGPT prompts (all, code, non-English) in compound's loop for SGLang's dynamic tree and vLLM's chain,
+tokens/s against plain greedy, the shape ``compound validate`` recommends, Medusa on the same prompts, and the two
+levers stacked (W4 target + EAGLE-3).
+
+Training is the ``compound train-heads`` command printed in the section (a subprocess, exactly what a user types;
+both heads share one work directory, so the second reuses the first's self-distilled data); evaluation is
+``toolkit.heads.acceptance.validate_heads`` (what ``compound validate --heads`` runs) on prompts disjoint from the
+ones the runs selected their checkpoints on.
+
+    python benchmarks/heads_eagle.py [--kinds eagle3,eagle] [--reuse] [--threads 1] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from report import cpu_name, markdown_table, update_section  # noqa: E402
+
+CACHE = ROOT / "benchmarks" / ".cache"
+MODEL = "smollm2-135m"
+W4_CHECKPOINT = CACHE / "decode-smollm2-rtn-w4g64"  # made by benchmarks/decode.py (RTN W4 g64, GPTQ layout)
+MEDUSA = CACHE / "heads-smollm2-medusa-own"  # made by benchmarks/heads.py
+
+
+def train_command(args, kind: str) -> list[str]:
+    return ["compound", "train-heads", "--model", MODEL, "--head", kind, "-o", str(output_dir(args, kind)),
+            "--work-dir", str(args.work), "--samples", str(args.samples), "--max-len", "768", "--distill-tokens", "128",
+            "--draft-vocab", str(args.draft_vocab), "--ttt-steps", str(args.ttt_steps), "--depth", "5", "--top-k", "4",
+            "--draft-tokens", "8", "--steps", str(args.steps), "--batch-size", "8", "--micro-batch-size", "8",
+            "--lr", "1e-3", "--eval-every", "250", "--save-every", "250", "--eval-prompts", "3", "--eval-tokens", "48",
+            "--overwrite"]
+
+
+def output_dir(args, kind: str) -> Path:
+    return CACHE / f"heads-smollm2-{kind}"
+
+
+def train_dir(args, kind: str) -> Path:
+    return args.work / ("train-eagle" if kind == "eagle" else
+                        f"train-eagle3-ldefault-v{args.draft_vocab}-s{args.ttt_steps}")
+
+
+def report_row(name: str, r) -> list[str]:
+    return [name, r.mode, r.shape, f"{r.mean_accepted_length:.2f}", " / ".join(f"{a:.2f}" for a in r.acceptance_rate),
+            f"{r.greedy_tokens_per_s:.1f}", f"{r.speculative_tokens_per_s:.1f}", f"{r.speedup:.2f}×",
+            "yes" if r.lossless else "NO"]
+
+
+def stacked(args, head_dir: Path, shape) -> list[list[str]]:
+    """fp32 greedy, W4 greedy and W4 + EAGLE-3 (the head trained on the float target) in compound's loop."""
+    from toolkit.heads.acceptance import greedy_outputs, heldout_prompts, measure_eagle
+    from toolkit.heads.eagle_export import load_eagle
+    from toolkit.models import load_model, load_tokenizer
+    from toolkit.runtime.load import load_quantized
+
+    tokenizer = load_tokenizer(MODEL)
+    prompts = heldout_prompts(tokenizer, args.prompts, skip=4)
+    rows = []
+    fp32 = load_model(MODEL, torch.float32)
+    out, seconds = greedy_outputs(fp32, prompts, args.new_tokens, tokenizer.eos_token_id)
+    base = sum(len(o) - len(p) for o, p in zip(out, prompts)) / seconds
+    rows.append(["fp32", "greedy", "-", f"{base:.1f}", "1.00×", "-"])
+    del fp32
+    w4, _ = load_quantized(W4_CHECKPOINT, torch.float32, backend="cpu-int4")
+    out, seconds = greedy_outputs(w4, prompts, args.new_tokens, tokenizer.eos_token_id)
+    w4_rate = sum(len(o) - len(p) for o, p in zip(out, prompts)) / seconds
+    rows.append(["W4 g64 RTN (cpu-int4)", "greedy", "-", f"{w4_rate:.1f}", f"{w4_rate / base:.2f}×", "-"])
+    head = load_eagle(head_dir).float().attach(w4)
+    r = measure_eagle(w4, head, prompts, args.new_tokens, shape, "stacked", tokenizer.eos_token_id, out, seconds)
+    rows.append(["W4 g64 RTN (cpu-int4)", f"+ EAGLE-3, {r.shape}", f"{r.mean_accepted_length:.2f}",
+                 f"{r.speculative_tokens_per_s:.1f}", f"{r.speculative_tokens_per_s / base:.2f}×",
+                 "yes" if r.lossless else "NO (vs W4 greedy)"])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kinds", default="eagle3,eagle")
+    parser.add_argument("--samples", type=int, default=768)
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--ttt-steps", type=int, default=5)
+    parser.add_argument("--draft-vocab", type=int, default=8192)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for evaluation (training: "
+                        "OMP_NUM_THREADS of the environment)")
+    parser.add_argument("--work", type=Path, default=CACHE / "heads-smollm2-eagle.work")
+    parser.add_argument("--reuse", action="store_true", help="evaluate existing outputs without training")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    args = parser.parse_args()
+
+    from toolkit.heads.acceptance import recommended, trained_shape, validate_heads
+
+    torch.set_num_threads(args.threads)
+    kinds = args.kinds.split(",")
+    rows, phases, commands, recommendations = [], [], [], []
+    for kind in kinds:
+        command = train_command(args, kind)
+        commands.append(" ".join(command))
+        if not args.reuse:
+            subprocess.run(command, check=True)
+        timings = json.loads((train_dir(args, kind) / "timings.json").read_text())
+        training = json.loads((output_dir(args, kind) / "compound.json").read_text())["training"]
+        phases.append([kind, str(training["examples"]), f"{training['tokens']:,}",
+                       f"{timings['data_and_hidden_states']:.0f}", f"{timings['training']:.0f}",
+                       f"{timings['total'] / 60:.1f}", f"{training['best_step']} of {training['steps']}"])
+        reports = validate_heads(MODEL, output_dir(args, kind), args.prompts, args.new_tokens,
+                                 categories=("all", "code", "non-english"))
+        rows += [report_row(kind, r) for r in reports]
+        best = recommended([r for r in reports if "(" not in r.mode])
+        recommendations.append(f"{kind}: {best.mode} ({best.shape}), {best.speedup:.2f}×")
+        for row in rows[-len(reports):]:
+            print(row, flush=True)
+    if MEDUSA.exists():
+        rows += [report_row("medusa (own lm_heads)", r) for r in validate_heads(MODEL, MEDUSA, args.prompts,
+                                                                                 args.new_tokens)]
+    stack_rows = stacked(args, output_dir(args, "eagle3"), trained_shape(output_dir(args, "eagle3"))[0]) \
+        if "eagle3" in kinds and W4_CHECKPOINT.exists() else []
+
+    table = markdown_table(["head", "prompts / proposal", "shape", "accepted length τ", "acceptance per depth",
+                            "greedy tok/s", "speculative tok/s", "speedup", "lossless"], rows)
+    phase_table = markdown_table(["head", "conversations", "tokens", "data + hidden states, s",
+                                  "training incl. evaluations, s", "whole command, min", "best step"], phases)
+    stack_table = markdown_table(["target", "decoding", "τ", "tokens/s", "vs fp32 greedy", "lossless"], stack_rows)
+    body = (
+        f"EAGLE-3 (draft vocabulary {args.draft_vocab}, aux layers 2/15/27, training-time test of {args.ttt_steps} "
+        f"steps) and EAGLE-1 heads for SmolLM2-135M-Instruct, trained on the same self-distilled ShareGPT train-split "
+        f"conversations, {args.steps} steps of 8, checkpoint chosen by accepted length (dynamic tree: depth 5, top-4, "
+        f"8 nodes) on 3 held-out prompts. {cpu_name()}, torch {torch.__version__}, training and evaluation on "
+        f"**one torch thread** (the machine is shared: two processes with 2 threads each on 2 cores spin in OpenMP "
+        f"barriers and run 20× slower). 256 of the conversations were answered by an earlier run in the same "
+        f"work directory (the Medusa benchmark's), so the data phase shows only the rest.\n\n"
+        f"Held-out: {args.prompts} ShareGPT eval-split prompts per set (the non-English set has only the few that "
+        f"exist), {args.new_tokens} new tokens each, greedy, target in fp32. `tree` is SGLang's kind of proposal "
+        f"(`--speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 9`), `chain` vLLM's "
+        f"(`num_speculative_tokens` 5); the other shapes are what `compound validate --heads` tries to recommend "
+        f"the fastest. Medusa: the heads of the section above (256 conversations, 250 steps), same prompts.\n\n"
+        f"{table}\n\nRecommended (most tokens/s, all prompts): " + "; ".join(recommendations) + f"\n\n{phase_table}\n\n"
+        + (f"Both levers (same {args.prompts} prompts, one thread; the EAGLE-3 head was trained against the float "
+           f"target):\n\n{stack_table}\n\n" if stack_rows else "")
+        + "Commands: " + "; ".join(f"`{c}`" for c in commands) + f" (with `OMP_NUM_THREADS=1`), then "
+        f"`compound validate --model {MODEL} --heads OUT --prompts {args.prompts} --max-new-tokens {args.new_tokens} "
+        f"--categories all,code,non-english` (all by `python benchmarks/heads_eagle.py`)."
+    )
+    print(table, phase_table, stack_table, sep="\n\n")
+    if not args.no_write:
+        update_section("Draft heads (EAGLE, SmolLM2, CPU)", body)
+
+
+if __name__ == "__main__":
+    main()
