@@ -1,7 +1,8 @@
 """Publishing an artifact to the Hugging Face Hub: its model card, and one all-or-nothing commit.
 
 An artifact is a directory compound wrote with a ``compound.json`` manifest (``toolkit.formats.checkpoint``): a
-quantized checkpoint (``config.json`` with ``quantization_config``) or Medusa heads (``"format": "medusa"``).
+quantized checkpoint (``config.json`` with ``quantization_config``), Medusa heads (``"format": "medusa"``) or an EAGLE
+head (``"format": "eagle"``).
 ``push`` uploads exactly the bytes the manifest hashed, plus a generated ``README.md`` (and ``acceptance.png`` when
 acceptance was measured), as a single ``create_commit``: the Hub moves the branch only when every file is stored, so
 a failure leaves the repo as it was, and rerunning the push retries (LFS objects already stored are not re-sent).
@@ -160,7 +161,8 @@ def model_card(directory: Path | str, results: dict | None = None, *, repo_id: s
     if base:
         meta["base_model"] = base
     if is_heads:
-        meta["tags"] = _unique(["compound", "medusa", "speculative-decoding", *tags])
+        head_kind = manifest.get("kind", "eagle") if manifest.get("format") == "eagle" else "medusa"
+        meta["tags"] = _unique(["compound", head_kind, "speculative-decoding", *tags])
     else:
         quant = manifest.get("quantization") or {}
         method = (config.get("quantization_config") or {}).get("quant_method")
@@ -185,6 +187,8 @@ def _describe(directory: Path) -> tuple[str, bool]:
     manifest = json.loads((directory / MANIFEST).read_text())
     if manifest.get("format") == "medusa":
         return f"Medusa draft heads ({manifest.get('layout', 'vllm')} layout)", True
+    if manifest.get("format") == "eagle":
+        return f"{'EAGLE-3' if manifest.get('kind') == 'eagle3' else 'EAGLE-1/2'} draft head", True
     quant = manifest.get("quantization") or {}
     method = str(quant.get("method", "")).upper()
     return f"{quant.get('bits', '?')}-bit {method} checkpoint ({manifest.get('format')})", False
@@ -218,18 +222,11 @@ def _heads_body(manifest: dict, config: dict, name: str, base: str | None, sourc
     training = manifest.get("training") or {}
     quantized_target = bool(source) and (Path(str(source)).expanduser() / MANIFEST).is_file()
     target = f"a compound checkpoint of {_link(base, source)}" if quantized_target else _link(base, source)
-    lines = [f"{k} Medusa draft heads ({medusa.get('num_layers', 1)} residual block(s) each) for {target}, trained "
-             "with compound on the target's own hidden states. Each head proposes one more token; the target "
-             "verifies them, so the output is the target's own.", ""]
-    if manifest.get("layout") == "medusa":
-        lines += ["These are in FasterDecoding's layout (`medusa_lm_head.safetensors`). For vLLM, convert them: "
-                  "`export_medusa(load_medusa(dir), out, layout='vllm')` (`toolkit.heads.export`).", ""]
+    served = base if base and not quantized_target else "TARGET"
+    if manifest.get("format") == "eagle":
+        lines = _eagle_body(manifest, name, target, served)
     else:
-        spec = json.dumps({"method": "medusa", "model": name, "num_speculative_tokens": k}, separators=(",", ":"))
-        served = base if base and not quantized_target else "TARGET"
-        lines += ["## Serve", "", "```bash", f"vllm serve {served} --speculative-config '{spec}'", "```", ""]
-        if served == "TARGET":
-            lines += ["TARGET: the Hub id or directory of the model the heads were trained for (above).", ""]
+        lines = _medusa_body(manifest, medusa, k, name, target, served)
     if training:
         rows = [(key.replace("_", " "), training.get(key)) for key in
                 ("examples", "tokens", "trained_tokens", "steps", "best_step", "select_mode", "self_distill")]
@@ -238,6 +235,43 @@ def _heads_body(manifest: dict, config: dict, name: str, base: str | None, sourc
         lines += ["## Training", "", "Measured by compound while training (selection prompts, its decode loop).", "",
                   "| measure | value |", "|---|---|", *[f"| {key} | {_fmt(v)} |" for key, v in rows if v is not None],
                   ""]
+    return lines
+
+
+def _eagle_body(manifest: dict, name: str, target: str, served: str) -> list[str]:
+    from toolkit.heads.eagle import EagleConfig
+    from toolkit.heads.eagle_export import serving_flags
+
+    config = EagleConfig.from_dict(manifest["eagle"])
+    shape = (manifest.get("training") or {}).get("draft_shape") or {}
+    k = shape.get("depth", 3)
+    flags = serving_flags(config, name, k)
+    what = (f"An EAGLE-3 draft head (one decoder layer over the target's hidden states {list(config.aux_layers)}, "
+            f"a {config.draft_vocab_size}-token draft vocabulary)" if config.kind == "eagle3" else
+            "An EAGLE-1/2 draft head (one decoder layer over the target's last hidden state)")
+    lines = [f"{what} for {target}, trained with compound on the target's own hidden states. The target verifies "
+             "every drafted token, so the output is the target's own.", "", "## Serve", "", "```bash",
+             f"vllm serve {served} {flags['vllm']}"]
+    if "sglang" in flags:
+        lines.append(f"python -m sglang.launch_server --model-path {served} {flags['sglang']}")
+    lines += ["```", ""]
+    if served == "TARGET":
+        lines += ["TARGET: the Hub id or directory of the model the head was trained for (above).", ""]
+    return lines
+
+
+def _medusa_body(manifest: dict, medusa: dict, k, name: str, target: str, served: str) -> list[str]:
+    lines = [f"{k} Medusa draft heads ({medusa.get('num_layers', 1)} residual block(s) each) for {target}, trained "
+             "with compound on the target's own hidden states. Each head proposes one more token; the target "
+             "verifies them, so the output is the target's own.", ""]
+    if manifest.get("layout") == "medusa":
+        lines += ["These are in FasterDecoding's layout (`medusa_lm_head.safetensors`). For vLLM, convert them: "
+                  "`export_medusa(load_medusa(dir), out, layout='vllm')` (`toolkit.heads.export`).", ""]
+    else:
+        spec = json.dumps({"method": "medusa", "model": name, "num_speculative_tokens": k}, separators=(",", ":"))
+        lines += ["## Serve", "", "```bash", f"vllm serve {served} --speculative-config '{spec}'", "```", ""]
+        if served == "TARGET":
+            lines += ["TARGET: the Hub id or directory of the model the heads were trained for (above).", ""]
     return lines
 
 

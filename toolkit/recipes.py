@@ -146,13 +146,21 @@ class QuantizeSection:
 
 @dataclass(frozen=True)
 class HeadsSection:
-    """``compound train-heads``'s options. type: medusa (EAGLE-3 is planned, not implemented). steps: optimizer
-    steps; eval_every: steps between acceptance evaluations (a checkpoint is saved at each, so a resumed run never
-    repeats one); eval_prompts / eval_tokens: held-out prompts and tokens per prompt for checkpoint selection."""
+    """``compound train-heads``'s options. type: medusa, eagle (EAGLE-1/2) or eagle3. steps: optimizer steps;
+    eval_every: steps between acceptance evaluations (a checkpoint is saved at each, so a resumed run never repeats
+    one); eval_prompts / eval_tokens: held-out prompts and tokens per prompt for checkpoint selection. num_heads /
+    num_layers: Medusa's; aux_layers, draft_vocab, ttt_steps: EAGLE-3's; depth, top_k, draft_tokens: the EAGLE draft
+    shape selected on (the tree, or the chain of ``depth`` with select_mode chain)."""
 
     type: str = "medusa"
     num_heads: int = 4
     num_layers: int = 1
+    aux_layers: tuple[int, ...] | None = None
+    draft_vocab: int = 32000
+    ttt_steps: int = 5
+    depth: int = 5
+    top_k: int = 4
+    draft_tokens: int = 8
     samples: int = 1000
     max_len: int = 1024
     distill_tokens: int = 256
@@ -172,15 +180,14 @@ class HeadsSection:
     seed: int = 0
 
     def __post_init__(self):
-        if self.type == "eagle3":
-            raise _Invalid("type", "eagle3 is not implemented yet; use medusa (EAGLE-3 heads will replace it)")
-        _choice("type", self.type, ("medusa",))
+        _choice("type", self.type, ("medusa", "eagle", "eagle3"))
         _choice("dtype", self.dtype, ("bfloat16", "float16", "float32"))
         _choice("train_dtype", self.train_dtype, ("bf16", "fp32"))
         _choice("select_mode", self.select_mode, ("tree", "chain"))
         _choice("layout", self.layout, ("vllm", "medusa"))
         _at_least(self, 1, "num_heads", "num_layers", "samples", "distill_tokens", "distill_batch", "steps",
-                  "batch_size", "micro_batch_size", "eval_every", "eval_prompts", "eval_tokens")
+                  "batch_size", "micro_batch_size", "eval_every", "eval_prompts", "eval_tokens", "draft_vocab",
+                  "ttt_steps", "depth", "top_k", "draft_tokens")
         _at_least(self, 8, "max_len")
         try:
             self.train_config()
@@ -399,15 +406,17 @@ _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str:
 
 
 def _typed(value, hint):
-    """``value`` as type ``hint`` (int, float, bool, str, X | None, tuple[str, ...]); TypeError naming both."""
+    """``value`` as type ``hint`` (int, float, bool, str, X | None, tuple[str | int, ...]); TypeError naming both."""
     args = typing.get_args(hint)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         if value is None:
             return None
         hint = next(a for a in args if a is not type(None))
     if typing.get_origin(hint) is tuple:
-        if isinstance(value, str) or not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise TypeError(f"expected a list of strings, got {value!r}")
+        element = typing.get_args(hint)[0]
+        if isinstance(value, str) or not isinstance(value, list) or \
+                not all(isinstance(v, element) and not isinstance(v, bool) for v in value):
+            raise TypeError(f"expected a list of {'strings' if element is str else 'integers'}, got {value!r}")
         return tuple(value)
     if hint is float and isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
         try:
@@ -543,8 +552,11 @@ def _heads(recipe: Recipe, console: Console) -> dict:
     from toolkit.heads.pipeline import HeadsJob, train_heads
 
     h, target = recipe.heads, recipe.heads_target
-    console.print(f"training {h.num_heads} {h.type} heads against {target} → {recipe.heads_dir}")
+    console.print(f"training {f'{h.num_heads} medusa heads' if h.type == 'medusa' else f'an {h.type} head'} "
+                  f"against {target} → {recipe.heads_dir}")
     job = HeadsJob(model=target, output=recipe.heads_dir, head=h.type, num_heads=h.num_heads, num_layers=h.num_layers,
+                   aux_layers=h.aux_layers, draft_vocab=h.draft_vocab, ttt_steps=h.ttt_steps, depth=h.depth,
+                   top_k=h.top_k, draft_tokens=h.draft_tokens,
                    dataset=recipe.calibration.dataset, samples=h.samples, max_len=h.max_len,
                    distill_tokens=h.distill_tokens, distill_batch=h.distill_batch, dtype=h.dtype,
                    train=h.train_config(), eval_prompts=h.eval_prompts, eval_tokens=h.eval_tokens,

@@ -63,6 +63,22 @@ def test_forward_matches_transformers_full_and_cached(model_type):
     assert (torch.cat(rows).float() - ref).abs().max() < 1e-4
 
 
+def test_feature_layers_return_the_residual_streams_entering_those_layers():
+    """With feature_layers the hidden output is transformers' hidden_states[i] (the input of decoder layer i) of each
+    listed layer, concatenated: what an EAGLE-3 head reads; increasing layer indices only."""
+    model = tiny_model("llama", layers=4)
+    ids = torch.randint(0, 1000, (9,), generator=torch.Generator().manual_seed(0))
+    logits, features = Decoder.from_model(model, 16, feature_layers=(1, 3))(ids, 0)
+    with torch.no_grad():
+        reference = model(ids[None], output_hidden_states=True)
+    expected = torch.cat([reference.hidden_states[1][0], reference.hidden_states[3][0]], dim=-1)
+    torch.testing.assert_close(features, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits, reference.logits[0], rtol=1e-4, atol=1e-4)
+    for bad in ((3, 1), (0, 4)):
+        with pytest.raises(DecodeError, match="increasing decoder-layer indices"):
+            Decoder.from_model(model, 16, feature_layers=bad)
+
+
 def test_decoder_shares_the_model_tensors():
     model = family_model("llama")
     decoder = Decoder.from_model(model, max_len=8)

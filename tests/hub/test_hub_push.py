@@ -313,6 +313,28 @@ def test_cli_prints_url_and_commit_and_never_the_token(hub, artifact, tmp_path):
     assert not [path for path, data in hub.files(REPO).items() if TOKEN.encode() in data]
 
 
+def test_eagle3_card_serves_with_vllm_and_sglang(tmp_path):
+    """An EAGLE-3 head's card: tags, the target, and the exact serving flags of both engines (vLLM's layer ids
+    in the config, SGLang's in eagle_config)."""
+    from conftest import tiny_model
+    from toolkit.heads.eagle import EagleHead
+    from toolkit.heads.eagle_export import export_eagle
+
+    target = tiny_model("llama", layers=8, vocab=256)
+    head = EagleHead.from_target(target, "eagle3", draft_vocab=torch.arange(0, 256, 2))
+    out = export_eagle(head, tmp_path / "eagle3", target="smollm2-135m", target_sha256=None,
+                       extra_manifest={"training": {"draft_shape": {"depth": 4, "top_k": 4, "draft_tokens": 8},
+                                                    "steps": 10, "best_step": 10}})
+    card = model_card(out, repo_id=f"{USER}/tiny-eagle3")
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["tags"] == ["compound", "eagle3", "speculative-decoding"]
+    assert meta["base_model"] == ALIAS_BASE_MODELS["smollm2-135m"]
+    spec = json.dumps({"method": "eagle3", "model": f"{USER}/tiny-eagle3", "num_speculative_tokens": 4})
+    assert f"vllm serve {meta['base_model']} --speculative-config '{spec}'" in card
+    assert "--speculative-algorithm EAGLE3" in card and "--speculative-num-draft-tokens 5" in card
+    assert "hidden states [2, 4, 5], a 128-token draft vocabulary" in card
+
+
 def test_model_card_shows_only_what_was_measured(artifact, tmp_path):
     card = model_card(artifact)
     assert "No measurements were published" in card and "| KL" not in card
