@@ -189,14 +189,14 @@ def prepare(job: HeadsJob, console: Console, dry_run: bool = False):
     examples = _examples(job, model, tokenizer)
     tokens = sum(len(e.input_ids) for e in examples)
     hidden_size = model.get_input_embeddings().weight.shape[1]
-    console.print(f"{len(examples)} examples, {tokens:,} tokens ({sum(int(e.loss_mask.sum()) for e in examples):,} "
-                  f"trained); hidden-state cache "
-                  f"{cache_bytes(tokens, hidden_size, len(job.hidden_layers(model.config.num_hidden_layers))) / 2**20:,.0f} MiB"
-                  + (" (not written: --online)" if job.online else f" in {job.work / 'hidden'}"))
     layers = job.hidden_layers(model.config.num_hidden_layers)
+    cache = job.work / ("hidden" if layers == [-1] else
+                        "hidden-" + "-".join("final" if i == -1 else str(i) for i in layers))
+    console.print(f"{len(examples)} examples, {tokens:,} tokens ({sum(int(e.loss_mask.sum()) for e in examples):,} "
+                  f"trained); hidden-state cache {cache_bytes(tokens, hidden_size, len(layers)) / 2**20:,.0f} MiB"
+                  + (" (not written: --online)" if job.online else f" in {cache}"))
     if job.online:
         return examples, OnlineHiddenStates(model, examples, layers), model
-    cache = job.work / ("hidden" if layers == [-1] else "hidden-" + "-".join(map(str, layers)).replace("-1", "final"))
     if (cache / INDEX).exists():
         data = HiddenStateDataset(cache)
         if [e["id"] for e in data.examples] != [e.id for e in examples] or data.layers != layers:
