@@ -50,8 +50,6 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venvs" / "vllm" / "bin" / "python"
 VLLM_SPEC = Path(__file__).with_name("vllm_spec.py")
-PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain what a hash table is.",
-           "Give three tips for learning to cook."]
 FITTED = 3  # the heads are fitted on the first FITTED prompts' continuations
 NEW_TOKENS = 64
 K = 3  # draft tokens per step (vLLM's num_speculative_tokens; compound's chain depth)
@@ -64,20 +62,6 @@ W4 = ["compound", "quantize", "--model", "smollm2-135m", "--method", "rtn", "--b
 
 if not VLLM_PYTHON.exists():
     pytest.skip(f"no vLLM venv at {VLLM_PYTHON}: run scripts/setup_vllm.sh", allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory, one_thread):
-    """(model, its Hugging Face directory, the SHA-256 of its weights, chat-templated prompt token ids)."""
-    from toolkit.formats.checkpoint import sha256_file, write_checkpoint
-    from toolkit.models import load_model, load_tokenizer
-
-    model, tokenizer = load_model("smollm2-135m"), load_tokenizer("smollm2-135m")
-    directory = write_checkpoint(tmp_path_factory.mktemp("vllm-eagle") / "target", model, tokenizer, {}, None,
-                                 {"model": "smollm2-135m"}, torch.float32)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False) for text in PROMPTS]
-    return model, directory, sha256_file(directory / "model.safetensors"), prompts
 
 
 def continuations(model, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,11 +150,11 @@ def run_vllm(model_dir: Path, heads: dict[str, tuple[str, Path]], prompts: list[
 
 
 @pytest.fixture(scope="module")
-def float_runs(target, tmp_path_factory):
+def float_runs(spec_target, tmp_path_factory):
     """Per float case: (vLLM's run, compound's prediction, the head), all float heads served by one vLLM process."""
     from toolkit.heads.eagle_export import export_eagle
 
-    model, target_dir, target_sha256, prompts = target
+    model, target_dir, target_sha256, prompts = spec_target
     work = tmp_path_factory.mktemp("eagle-heads")
     ids, mask = continuations(model, prompts[:FITTED])
     heads = {}
@@ -187,13 +171,13 @@ def float_runs(target, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def w4_runs(target, tmp_path_factory):
+def w4_runs(spec_target, tmp_path_factory):
     """The W4 case: a head fitted on compound's W4 compressed-tensors checkpoint, both engines in bfloat16."""
     from toolkit.formats.checkpoint import sha256_file
     from toolkit.heads.eagle_export import export_eagle
     from toolkit.runtime.load import load_quantized
 
-    _, _, _, prompts = target
+    _, _, _, prompts = spec_target
     work = tmp_path_factory.mktemp("eagle-w4")
     checkpoint = work / "w4"
     done = subprocess.run([*W4, "--output", str(checkpoint)], capture_output=True, text=True, timeout=1200)
@@ -221,7 +205,7 @@ def test_vllm_serves_compound_eagle_heads_losslessly_at_the_predicted_acceptance
     print(f"\n{case}: vLLM {vllm['vllm']} mean accepted length {draft['mean_accepted_length']:.4f} "
           f"({draft['num_drafts']} drafts, {draft['num_accepted_tokens']} accepted, per position "
           f"{draft['accepted_per_pos']}) | compound's prediction {predicted:.4f} ({steps} steps, {accepted} accepted)"
-          f" | compound's greedy tokens = vLLM's for {same_as_compound}/{len(PROMPTS)} prompts")
+          f" | compound's greedy tokens = vLLM's for {same_as_compound}/{len(ours)} prompts")
     assert draft["tokens"] == vllm["plain"]  # lossless: speculation changes no token of greedy decoding
     assert all(len(ids) == NEW_TOKENS for ids in draft["tokens"])
     if head.config.kind == "eagle3":

@@ -32,8 +32,6 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venvs" / "vllm" / "bin" / "python"
 VLLM_SPEC = Path(__file__).with_name("vllm_spec.py")
-PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain what a hash table is.",
-           "Give three tips for learning to cook."]
 FITTED = 3  # the heads are fitted on the first FITTED prompts' continuations
 NEW_TOKENS = 64
 NUM_HEADS = 3
@@ -43,20 +41,6 @@ TOLERANCE = 0.10  # relative, vLLM's mean accepted length against compound's pre
 
 if not VLLM_PYTHON.exists():
     pytest.skip(f"no vLLM venv at {VLLM_PYTHON}: run scripts/setup_vllm.sh", allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory, one_thread):
-    """(model, its Hugging Face directory, the SHA-256 of its weights, chat-templated prompt token ids)."""
-    from toolkit.formats.checkpoint import sha256_file, write_checkpoint
-    from toolkit.models import load_model, load_tokenizer
-
-    model, tokenizer = load_model("smollm2-135m"), load_tokenizer("smollm2-135m")
-    directory = write_checkpoint(tmp_path_factory.mktemp("vllm-medusa") / "target", model, tokenizer, {}, None,
-                                 {"model": "smollm2-135m"}, torch.float32)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False) for text in PROMPTS]
-    return model, directory, sha256_file(directory / "model.safetensors"), prompts
 
 
 def fit_heads(model, prompts: list[list[int]]):
@@ -101,10 +85,10 @@ def compound_prediction(model, heads, prompts: list[list[int]]) -> tuple[list[li
     return outputs, steps, accepted
 
 
-def test_vllm_serves_compound_medusa_heads_losslessly_at_the_predicted_acceptance(target, tmp_path):
+def test_vllm_serves_compound_medusa_heads_losslessly_at_the_predicted_acceptance(spec_target, tmp_path):
     from toolkit.heads.export import export_medusa
 
-    model, target_dir, target_sha256, prompts = target
+    model, target_dir, target_sha256, prompts = spec_target
     heads = fit_heads(model, prompts[:FITTED])
     heads_dir = export_medusa(heads, tmp_path / "heads", target="smollm2-135m", target_sha256=target_sha256,
                               dtype=torch.float32)
