@@ -18,8 +18,8 @@ Two kinds (``EagleConfig.kind``), both a Llama decoder layer (``midlayer``) over
 Positions follow vLLM's proposer: the pair (hidden of token t, token t + 1) sits at position t, and each further
 draft step one position later, so the unrolled step k of pair t is trained at position t + k, where decoding puts it.
 
-The target's embedding (and, for ``eagle``, its ``lm_head``) and RoPE frequencies are attached with
-``EagleHead.attach`` as non-persistent buffers: never trained, never saved, always the target's own.
+The target's embedding (and, for ``eagle``, its ``lm_head``) are attached with ``EagleHead.attach`` as non-persistent
+buffers, and its RoPE frequencies as a float32 attribute: never trained, never saved, always the target's own.
 """
 
 from __future__ import annotations
@@ -187,8 +187,9 @@ class EagleHead(nn.Module):
             self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
-        for name in ("embed", "target_lm_head", "inv_freq"):
+        for name in ("embed", "target_lm_head"):
             self.register_buffer(name, None, persistent=False)
+        self.inv_freq: torch.Tensor | None = None  # float32 always: not a buffer, so casting the head keeps it exact
         self.attention_scaling = 1.0
 
     @classmethod
@@ -262,7 +263,7 @@ class EagleHead(nn.Module):
         """(cos, sin) [..., head_dim] at integer ``positions`` [...]."""
         if self.inv_freq is None:
             raise RuntimeError("attach the head to its target first: head.attach(target)")
-        freqs = positions.float()[..., None] * self.inv_freq
+        freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
         dtype = self.fc.weight.dtype
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
