@@ -35,8 +35,8 @@ def train_command(args, kind: str) -> list[str]:
     return ["compound", "train-heads", "--model", MODEL, "--head", kind, "-o", str(output_dir(args, kind)),
             "--work-dir", str(args.work), "--samples", str(args.samples), "--max-len", "768", "--distill-tokens", "128",
             "--draft-vocab", str(args.draft_vocab), "--ttt-steps", str(args.ttt_steps), "--depth", "5", "--top-k", "4",
-            "--draft-tokens", "8", "--steps", str(args.steps), "--batch-size", "8", "--micro-batch-size", "8",
-            "--lr", "1e-3", "--eval-every", "250", "--save-every", "250", "--eval-prompts", "3", "--eval-tokens", "48",
+            "--draft-tokens", "8", "--steps", str(args.steps), "--batch-size", "8", "--micro-batch-size", "4",
+            "--lr", "1e-3", "--eval-every", "200", "--save-every", "200", "--eval-prompts", "3", "--eval-tokens", "48",
             "--overwrite"]
 
 
@@ -86,7 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kinds", default="eagle3,eagle")
     parser.add_argument("--samples", type=int, default=768)
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--ttt-steps", type=int, default=5)
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--prompts", type=int, default=8)
@@ -95,6 +95,8 @@ def main() -> None:
                         "OMP_NUM_THREADS of the environment)")
     parser.add_argument("--work", type=Path, default=CACHE / "heads-smollm2-eagle.work")
     parser.add_argument("--reuse", action="store_true", help="evaluate existing outputs without training")
+    parser.add_argument("--distilled-earlier", default=None, help="how the work directory's conversations were made "
+                        "when an earlier run made them (its timings then show no self-distillation), for the text")
     parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     args = parser.parse_args()
 
@@ -105,7 +107,7 @@ def main() -> None:
     rows, phases, commands, recommendations = [], [], [], []
     for kind in kinds:
         command = train_command(args, kind)
-        commands.append(" ".join(command))
+        commands.append(" ".join(command).replace(f"{ROOT}/", ""))
         if not args.reuse:
             subprocess.run(command, check=True)
         timings = json.loads((train_dir(args, kind) / "timings.json").read_text())
@@ -137,16 +139,25 @@ def main() -> None:
         f"conversations, {args.steps} steps of 8, checkpoint chosen by accepted length (dynamic tree: depth 5, top-4, "
         f"8 nodes) on 3 held-out prompts. {cpu_name()}, torch {torch.__version__}, training and evaluation on "
         f"**one torch thread** (the machine is shared: two processes with 2 threads each on 2 cores spin in OpenMP "
-        f"barriers and run 20× slower). 256 of the conversations were answered by an earlier run in the same "
-        f"work directory (the Medusa benchmark's), so the data phase shows only the rest.\n\n"
+        f"barriers and run 20× slower)."
+        + (f" Self-distillation: {args.distilled_earlier}" if args.distilled_earlier else "") + "\n\n"
         f"Held-out: {args.prompts} ShareGPT eval-split prompts per set (the non-English set has only the few that "
         f"exist), {args.new_tokens} new tokens each, greedy, target in fp32. `tree` is SGLang's kind of proposal "
         f"(`--speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 9`), `chain` vLLM's "
         f"(`num_speculative_tokens` 5); the other shapes are what `compound validate --heads` tries to recommend "
-        f"the fastest. Medusa: the heads of the section above (256 conversations, 250 steps), same prompts.\n\n"
+        f"the fastest. Heads draft in bf16, the target verifies in fp32. Medusa: the heads of the section above "
+        f"(256 conversations, 250 steps), same prompts.\n\n"
         f"{table}\n\nRecommended (most tokens/s, all prompts): " + "; ".join(recommendations) + f"\n\n{phase_table}\n\n"
         + (f"Both levers (same {args.prompts} prompts, one thread; the EAGLE-3 head was trained against the float "
-           f"target):\n\n{stack_table}\n\n" if stack_rows else "")
+           f"target):\n\n{stack_table}\n\n" + "The W4 rows' lossless column compares speculative with plain greedy decoding of the same W4 model: torch's "
+           "int4 CPU op computes in bf16, and a tree forward (9 rows) rounds differently from a one-token forward, so "
+           "near-ties can flip, as in the bf16 rows of the Medusa section (the likely cause; the flipped margins were "
+           "not inspected here); on the fp32 target every row is token-identical. " + "\n\n" if stack_rows else "")
+        + "Peers: SpecForge 0.2.0 pins torch 2.11.0 and sglang 0.5.14 (a CUDA build), so it cannot install beside "
+        "torch 2.13 CPU. speculators 0.9.0 would install in a venv of its own (torch <= 2.14.1, transformers <= "
+        "5.19), but its data path asks a vLLM server for the hidden states (`speculators.data_generation.vllm_client`) "
+        "and its trainer targets an accelerator (`torch.accelerator`, FSDP); it was not run here, so there is no "
+        "side-by-side training time or accepted length.\n\n"
         + "Commands: " + "; ".join(f"`{c}`" for c in commands) + f" (with `OMP_NUM_THREADS=1`), then "
         f"`compound validate --model {MODEL} --heads OUT --prompts {args.prompts} --max-new-tokens {args.new_tokens} "
         f"--categories all,code,non-english` (all by `python benchmarks/heads_eagle.py`)."
