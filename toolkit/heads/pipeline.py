@@ -311,8 +311,10 @@ def _head_for(job: HeadsJob, target, examples, console: Console | None):
     def loss_fn(model, batch):
         return eagle3_loss(model, batch["hidden"], batch["input_ids"], batch["loss_mask"], lm_head, job.ttt_steps)
 
+    in_vocab = head.t2d.detach().cpu()  # count_fn sees the batches before they move to the training device
+
     def eagle3_count(batch):  # eagle3_loss trains only labels in the draft vocabulary
-        return int((head.t2d[batch["input_ids"]] & batch["loss_mask"])[:, 2:].sum())
+        return int((in_vocab[batch["input_ids"]] & batch["loss_mask"])[:, 2:].sum())
 
     return head, loss_fn, eagle3_count, measure
 
