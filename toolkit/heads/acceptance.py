@@ -10,11 +10,12 @@ prompts can be restricted to code or non-English ones (``prompt_category``): acc
 
 from __future__ import annotations
 
+import copy
+import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-
-import copy
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from torch import nn
 from toolkit.calibration.sources import load_records
 from toolkit.calibration.splits import iter_split
 from toolkit.decode import Decoder, Drafter, MedusaDrafter, generate, speculative_generate
+from toolkit.formats.checkpoint import MANIFEST
 from toolkit.heads.eagle_draft import EagleDrafter, TreeShape, eagle_decoder
 
 # Top-k ranks per depth, most likely paths first (the shape of Medusa's sparse trees, cut to 12 nodes).
@@ -273,11 +275,6 @@ def validate_heads(target_spec: str, heads_dir, prompts: int = 8, max_new_tokens
 def trained_shape(directory) -> tuple[TreeShape, int]:
     """(tree, chain length) an EAGLE head was selected with (its manifest's ``training.draft_shape``), else
     SGLang's Llama default tree (depth 5, top-4, 8 nodes) and vLLM's usual chain of 3."""
-    import json
-    from pathlib import Path
-
-    from toolkit.formats.checkpoint import MANIFEST
-
     manifest = Path(directory) / MANIFEST
     shape = json.loads(manifest.read_text()).get("training", {}).get("draft_shape") if manifest.is_file() else None
     if not shape:
@@ -287,9 +284,6 @@ def trained_shape(directory) -> tuple[TreeShape, int]:
 
 def is_eagle_dir(directory) -> bool:
     """Whether a head directory holds an EAGLE head (its config names an EAGLE architecture)."""
-    import json
-    from pathlib import Path
-
     config = Path(directory) / "config.json"
     if not config.is_file():
         raise FileNotFoundError(f"no config.json in {directory}: not a head directory written by train-heads")
