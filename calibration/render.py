@@ -41,7 +41,7 @@ def calibration_batch(
     need = samples * seq_len
     records = iter_split(load_records(source, text_field), "calibration")
     pool = pool or max(4 * samples, 256)
-    renderer = _Renderer(tokenizer)
+    renderer = Renderer(tokenizer)
     taken: list[Record] = []
     rendered: dict[int, list[int]] = {}  # index in taken -> tokens, kept while the pool grows
 
@@ -78,7 +78,7 @@ def eval_windows(
     """
     _check_positive(windows=windows, seq_len=seq_len)
     need = windows * seq_len
-    renderer = _Renderer(tokenizer)
+    renderer = Renderer(tokenizer)
     records = iter_split(load_records(source, text_field), "eval")
     tokens = list(itertools.islice(renderer.stream(records), need))
     renderer.warn_skipped(source)
@@ -100,7 +100,7 @@ def fingerprint(tokens: torch.Tensor) -> str:
     return digest.hexdigest()
 
 
-class _Renderer:
+class Renderer:
     """Renders records to token ids, counting the conversations the chat template rejects."""
 
     def __init__(self, tokenizer):

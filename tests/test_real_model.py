@@ -9,9 +9,6 @@ from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
 
-WINDOWS = "6"
-
-
 def compound(*args, check=True):
     result = subprocess.run(["compound", *map(str, args)], capture_output=True, text=True, env=os.environ.copy())
     if check and result.returncode:
@@ -41,15 +38,23 @@ def test_checkpoint_is_gptq_and_four_times_smaller(rtn_checkpoint):
     assert 3.5 < fp16_bytes / packed_bytes < 4.0
 
 
-def test_eval_reports_quantized_next_to_float(rtn_checkpoint, tmp_path):
-    report = tmp_path / "eval.json"
-    out = compound("eval", "--model", rtn_checkpoint, "--base", "smollm2-135m", "--windows", WINDOWS,
-                   "--json", report).stdout
-    assert "perplexity" in out
-    quantized, base = json.loads(report.read_text())["results"]
-    assert quantized["model"] == str(rtn_checkpoint) and base["model"] == "smollm2-135m"
-    assert quantized["tokens"] == base["tokens"] == int(WINDOWS) * 511  # identical tokens for both
-    assert base["perplexity"] < quantized["perplexity"] < base["perplexity"] * 1.6
+def test_eval_reports_slices_and_generation_checks_next_to_float(rtn_checkpoint, tmp_path):
+    out = tmp_path / "eval"
+    stdout = compound("eval", "--model", rtn_checkpoint, "--base", "smollm2-135m", "--windows", "1", "--seq-len",
+                      "256", "--new-tokens", "24", "--output", out).stdout
+    report = json.loads((out / "eval.json").read_text())
+    assert f"degrades most: {report['worst_slice']}" in stdout
+    slices = report["slices"]
+    assert all(row["tokens"] == 255 for row in slices.values()) and report["overall"]["tokens"] == 4 * 255
+    for row in slices.values():  # RTN W4 g64 moves SmolLM2 visibly on every slice, and breaks none of them
+        assert 1.05 < row["perplexity_ratio"] < 2.0 and 0.05 < row["kl"] < 2.0
+        assert 0.4 < row["top1_agreement"] < row["top5_agreement"] < 1.0
+    layers = report["layer_errors"]["layers"]
+    assert len(layers) == 30 and all(0.05 < e < 0.2 for e in layers)  # RTN's relative weight error per layer
+    factual = report["generation"]["factual"]["passed"]
+    assert factual["base"] >= 0.5  # the float model names Paris, Tokyo, ... within 24 tokens
+    assert {p.name for p in out.iterdir()} == {"eval.json", "eval.md", "slices.png", "kl_histogram.png",
+                                               "layer_errors.png"}
 
 
 def test_group_size_128_is_refused_on_width_576(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-import toolkit.evaluate.divergence
+import toolkit.evaluate.suite
 import toolkit.heads.acceptance
 import toolkit.heads.pipeline
 import toolkit.hub
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 QUIET = Console(quiet=True)
 # The verbs the steps call, by module: counted in every run test, so "cached" means "not called".
-VERBS = {"quantize": (toolkit.quantize, "quantize"), "evaluate": (toolkit.evaluate.divergence, "divergence"),
+VERBS = {"quantize": (toolkit.quantize, "quantize"), "evaluate": (toolkit.evaluate.suite, "evaluate"),
          "validate": (toolkit.validate, "validate"), "heads": (toolkit.heads.pipeline, "train_heads"),
          "heads_eval": (toolkit.heads.acceptance, "validate_heads")}
 
@@ -35,7 +35,7 @@ model: {model}
 output: {output}
 calibration: {{dataset: sharegpt, samples: 4, seq_len: 64}}
 quantize: {{method: rtn, bits: 4, group_size: 32}}
-evaluate: {{windows: 2, seq_len: 64, prompts: 2, new_tokens: 6}}
+evaluate: {{windows: 2, seq_len: 64, generation_tokens: 4, prompts: 2, new_tokens: 6}}
 heads:
   num_heads: 2
   samples: 4
@@ -53,6 +53,7 @@ heads:
   eval_tokens: 4
 gates:
   max_perplexity_ratio: 1.5
+  max_slice_perplexity_ratio: 1.5
   min_top1_agreement: 0.1
   max_kl: {max_kl}
   min_accepted_length: 1.0
@@ -169,19 +170,20 @@ def test_a_run_executes_every_step_then_pushes_both_artifacts(first_run):
     recipe, summary, calls = first_run
     assert _statuses(summary) == {"quantize": "ran", "evaluate": "ran", "validate": "ran", "heads": "ran",
                                   "heads_eval": "ran", "gates": "ran", "push": "ran"}
-    assert summary.passed and len(summary.gates) == 6 and all(g.passed for g in summary.gates)
+    assert summary.passed and len(summary.gates) == 7 and all(g.passed for g in summary.gates)
     assert {k: calls[k] for k in (*VERBS, "push")} == {**dict.fromkeys(VERBS, 1), "push": 2}
     (ckpt, ckpt_repo, ckpt_options), (heads, heads_repo, heads_options) = calls.pushed
     assert (ckpt, ckpt_repo) == (recipe.checkpoint, "compound-test/tiny")
     assert (heads, heads_repo) == (recipe.heads_dir, "compound-test/tiny-medusa")
     assert ckpt_options["tags"] == ["test"] and ckpt_options["private"] is False
-    assert set(ckpt_options["results"]["divergence"]) >= {"kl", "top1_agreement", "perplexity", "base_perplexity"}
+    assert ckpt_options["results"]["eval"] == json.loads((recipe.output / "eval" / "eval.json").read_text())
     assert [r["mode"] for r in heads_options["results"]["acceptance"]] == ["tree", "chain"]
     # heads are trained against the model they serve: the quantized checkpoint
     manifest = json.loads((recipe.heads_dir / "compound.json").read_text())
     assert manifest["target"] == str(recipe.checkpoint)
     evaluate = summary.step("evaluate").results
-    assert evaluate["tokens"] == 2 * 63 and evaluate["perplexity_ratio"] > 0.9 and evaluate["kl"] > 0
+    assert evaluate["overall"]["tokens"] == 4 * 2 * 63 and evaluate["overall"]["perplexity_ratio"] > 0.9
+    assert evaluate["overall"]["kl"] > 0 and evaluate["generation"]["json"]["prompts"] == 8
     assert summary.step("validate").results["ok"] and summary.step("heads_eval").results["chain"]["lossless"]
     stored = {p.stem for p in (recipe.output / ".steps").glob("*.json")}
     assert stored == {"quantize", "evaluate", "validate", "heads", "heads_eval", "push"}

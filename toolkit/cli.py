@@ -75,26 +75,14 @@ def _dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
-def _is_checkpoint(spec: str) -> bool:
-    path = Path(spec)
-    return (path / "config.json").is_file() and "quantization_config" in (path / "config.json").read_text()
-
-
-def _load_for_eval(spec: str):
-    """A quantized compound checkpoint through the runtime loader, anything else as a float model."""
-    from toolkit.models import load_model, load_tokenizer
-    from toolkit.runtime.load import load_quantized
-
-    if _is_checkpoint(spec):
-        return load_quantized(spec)
-    return load_model(spec), load_tokenizer(spec)
-
-
 def _measure_perplexity(spec: str, dataset: str, windows: int, seq_len: int):
+    import torch
+
     from toolkit.calibration import eval_windows
     from toolkit.evaluate.perplexity import perplexity
+    from toolkit.heads.pipeline import load_target
 
-    model, tokenizer = _load_for_eval(spec)
+    model, tokenizer = load_target(spec, torch.float32)
     tokens = eval_windows(tokenizer, dataset, windows, seq_len)
     with _progress() as bar:
         task = bar.add_task(f"perplexity of {spec}", total=windows)
@@ -179,29 +167,39 @@ def convert(
 @app.command("eval")
 def evaluate(
     model: str = typer.Option(..., help="A compound checkpoint directory, or any model spec (float)."),
-    base: Optional[str] = typer.Option(None, help="A second model to score on the same tokens, e.g. the float original."),
+    base: Optional[str] = typer.Option(None, help="The model to compare with (e.g. the float original): KL, agreement, perplexity ratios."),
+    heads: Optional[Path] = typer.Option(None, help="Medusa or EAGLE heads trained for --model: accepted length per slice."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Report directory (eval.json, eval.md, plots); default: <model>.eval next to a checkpoint, else eval-<model>."),
     dataset: str = typer.Option("sharegpt", help="Held-out source (its eval split)."),
-    windows: int = typer.Option(80, help="Held-out windows."),
+    windows: int = typer.Option(16, help="Held-out windows per slice."),
     seq_len: int = typer.Option(512, help="Tokens per window."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results to this JSON file."),
+    kl_threshold: float = typer.Option(1.0, help="Report the share of tokens whose KL(base ‖ model) exceeds this (nats): where the model breaks."),
+    generation: bool = typer.Option(True, "--generation/--no-generation", help="Run the JSON / code / factual generation checks."),
+    new_tokens: int = typer.Option(96, help="Tokens decoded per generation-check prompt."),
+    head_prompts: int = typer.Option(4, help="With --heads: held-out prompts per slice."),
+    head_tokens: int = typer.Option(64, help="With --heads: tokens decoded per prompt."),
+    overwrite: bool = typer.Option(False, help="Replace an existing report directory."),
 ):
-    """Perplexity on the held-out split (the same windows for every model)."""
+    """Task-level quality on held-out slices (prose, code, non-English, structured), generation checks, accepted
+    length per slice; writes eval.json and eval.md."""
+    from toolkit.evaluate.generation import SETS
+    from toolkit.evaluate.report import console_tables
+    from toolkit.evaluate.suite import evaluate as run_eval
+
+    path = Path(model)
+    output = output or (path.with_name(path.name + ".eval") if path.is_dir() else Path(f"eval-{path.name}"))
     try:
-        rows = [(model, _measure_perplexity(model, dataset, windows, seq_len))]
-        if base:
-            rows.append((base, _measure_perplexity(base, dataset, windows, seq_len)))
+        report = run_eval(model, output, base=base, heads=heads, dataset=dataset, windows=windows, seq_len=seq_len,
+                          kl_threshold=kl_threshold, generation_sets=SETS if generation else (),
+                          new_tokens=new_tokens, head_prompts=head_prompts, head_tokens=head_tokens,
+                          overwrite=overwrite, say=console.log)
     except _user_errors() as err:
         _fail(err)
-    table = Table(title=f"held-out perplexity ({dataset}, {windows}×{seq_len} tokens)")
-    for column in ("model", "perplexity", "mean NLL", "tokens"):
-        table.add_column(column, justify="left" if column == "model" else "right")
-    for name, result in rows:
-        table.add_row(name, f"{result.perplexity:.3f}", f"{result.nll:.4f}", str(result.tokens))
-    Console().print(table)
-    if json_out:
-        results = [{"model": name, **dataclasses.asdict(result)} for name, result in rows]
-        json_out.write_text(json.dumps({"dataset": dataset, "windows": windows, "seq_len": seq_len,
-                                        "results": results}, indent=2) + "\n")
+    for table in console_tables(report):
+        Console().print(table)
+    if report["worst_slice"]:
+        Console().print(f"degrades most: {report['worst_slice']}")
+    console.print(f"wrote {output}/eval.json and {output}/eval.md")
 
 
 @app.command()
@@ -433,16 +431,16 @@ def push(
     private: bool = typer.Option(False, "--private", help="Create the repo private (an existing repo keeps its visibility)."),
     revision: Optional[str] = typer.Option(None, help="Branch to commit to (created from main when missing); default main."),
     tag: list[str] = typer.Option([], "--tag", help="Extra model-card tag; repeatable."),
-    results: Optional[Path] = typer.Option(None, help="Measured results (JSON) for the model card's tables (toolkit.hub documents the keys)."),
+    results: Optional[Path] = typer.Option(None, help="Measured results (JSON) for the model card's tables (toolkit.hub documents the keys), or an eval.json."),
 ):
     """Publish an artifact with its model card as one commit; the token comes from HF_TOKEN or `hf auth login`."""
     from huggingface_hub import HfApi
 
-    from toolkit.hub import HubError
+    from toolkit.hub import HubError, card_results
     from toolkit.hub import push as run_push
 
     try:
-        measured = json.loads(results.read_text()) if results else None
+        measured = card_results(json.loads(results.read_text())) if results else None
         out = run_push(HfApi(), directory, repo, private=private, revision=revision, tags=tag, results=measured)
     except (HubError, OSError, json.JSONDecodeError) as err:
         _fail(err)
@@ -463,12 +461,13 @@ def decode(
     import torch
 
     from toolkit.decode import DecodeError, Decoder, SamplingConfig, generate
+    from toolkit.heads.pipeline import load_target
 
     if kv_cache not in ("float", "int8"):
         _fail(ValueError(f"--kv-cache must be float or int8, got {kv_cache!r}"))
     try:
         sampling = SamplingConfig(temperature, seed=seed) if temperature > 0 else None
-        loaded, tokenizer = _load_for_eval(model)
+        loaded, tokenizer = load_target(model, torch.float32)
         ids = _chat_prompt(tokenizer, prompt)
         decoder = Decoder.from_model(loaded, len(ids) + max_new_tokens, torch.int8 if kv_cache == "int8" else None)
         out, stats = generate(decoder, ids, max_new_tokens, sampling, eos_token_id=tokenizer.eos_token_id)

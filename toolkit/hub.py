@@ -15,8 +15,7 @@ used, and it is never printed or written.
 | key | content | written by |
 |---|---|---|
 | ``divergence`` | ``kl``, ``top1_agreement``, ``perplexity``, ``base_perplexity``, ``tokens`` [, ``dataset``, ``windows``, ``seq_len``] | ``toolkit.evaluate.divergence`` |
-| ``evaluate`` | the same as ``perplexity_quantized``, ``perplexity_float``, ``perplexity_ratio``, ``perplexity_increase``, ... | ``compound run`` |
-| ``perplexity`` | ``{"dataset", "windows", "seq_len", "results": [{"model", "perplexity", "nll", "tokens"}]}`` | ``compound eval --json`` |
+| ``eval`` | an ``eval.json`` report (schema ``compound.eval/1``, README "Evaluation report"); ``--results`` may name an ``eval.json`` itself | ``compound eval``, ``compound run`` |
 | ``acceptance`` | ``[{"mode", "shape", "nodes", "mean_accepted_length", "acceptance_rate", "speculative_tokens_per_s", ...}]`` | ``compound validate --heads --json`` |
 | ``heads_eval`` | the same reports keyed by mode | ``compound run`` |
 | ``gates`` | the thresholds checked, as lines of text | ``compound run`` |
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import yaml
 
+from toolkit.evaluate.report import SCHEMA, generation_lines, slice_lines
 from toolkit.formats.checkpoint import MANIFEST
 
 CARD = "README.md"
@@ -45,7 +45,7 @@ PLOT = "acceptance.png"
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".gguf")
 # Hub ids of the model aliases in toolkit.models.EMBEDDED (the GGUF's source model).
 ALIAS_BASE_MODELS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
-RESULT_KEYS = ("divergence", "evaluate", "perplexity", "acceptance", "heads_eval", "gates", "command")
+RESULT_KEYS = ("divergence", "eval", "acceptance", "heads_eval", "gates", "command")
 
 
 class HubError(RuntimeError):
@@ -289,12 +289,12 @@ def _results_body(results: dict | None) -> list[str]:
                  "tokens": "tokens compared"}
         lines += [f"### Quality against the base model{where}", "", "| measure | value |", "|---|---|",
                   *[f"| {label} | {_fmt(quality[key])} |" for key, label in names.items() if key in quality], ""]
-    if ppl := results.get("perplexity"):
-        lines += [f"### Held-out perplexity ({ppl.get('dataset')}, {ppl.get('windows')}×{ppl.get('seq_len')} tokens)",
-                  "", "| model | perplexity | mean NLL | tokens |", "|---|---:|---:|---:|"]
-        lines += [f"| {_display(r.get('model'))} | {_fmt(r.get('perplexity'))} | {_fmt(r.get('nll'))} | "
-                  f"{_fmt(r.get('tokens'))} |" for r in ppl.get("results", [])]
-        lines.append("")
+    if (report := results.get("eval")) and report.get("base"):
+        lines += [f"### By slice of held-out text (`compound eval`, up to {report['windows_per_slice']}×"
+                  f"{report['seq_len']} tokens per slice)", "", *slice_lines(report), ""]
+    if report and report.get("generation"):
+        lines += ["### Generation checks (greedy; JSON must parse, Python must compile, facts must match)", "",
+                  *generation_lines(report), ""]
     if reports := _acceptance(results):
         lines += ["### Speculative decoding", "", "Accepted length: tokens per target forward (the target's own "
                   "token included). Acceptance at depth d: P(depth d accepted | depth d − 1 accepted).", "",
@@ -319,11 +319,21 @@ def _results_body(results: dict | None) -> list[str]:
     return lines
 
 
+def card_results(raw: dict) -> dict:
+    """Results for ``model_card``/``push`` from a results file: one keyed as above, or an ``eval.json`` alone."""
+    return {"eval": raw} if raw.get("schema") == SCHEMA else raw
+
+
 def _quality(results: dict) -> dict | None:
-    """Quality against the base, from ``divergence`` (Divergence fields) or ``evaluate`` (the recipe's names)."""
-    raw = results.get("divergence") or results.get("evaluate")
-    aliases = {"perplexity_quantized": "perplexity", "perplexity_float": "base_perplexity"}
-    return {aliases.get(key, key): value for key, value in raw.items()} if raw else None
+    """Quality against the base, from ``divergence`` (Divergence fields) or an ``eval`` report's total."""
+    if raw := results.get("divergence"):
+        return raw
+    report = results.get("eval")
+    if not report or not report.get("base"):
+        return None
+    overall = report["overall"]
+    return {**overall, "perplexity_increase": overall["perplexity"] - overall["base_perplexity"],
+            "dataset": report["dataset"], "windows": overall["windows"], "seq_len": report["seq_len"]}
 
 
 def _acceptance(results: dict | None) -> list[dict]:

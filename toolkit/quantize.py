@@ -16,7 +16,7 @@ from toolkit.formats import awq as awq_format
 from toolkit.formats import compressed_tensors as ct_format
 from toolkit.formats import gptq as gptq_format
 from toolkit.formats.checkpoint import write_checkpoint
-from toolkit.methods import driver_for
+from toolkit.methods import ERROR_MEASURES, driver_for
 from toolkit.models import arch_spec, decoder_layers, load_model, load_tokenizer
 from toolkit.quant import kv_cache as kv
 from toolkit.quant.configs import ConfigError, WeightQuantConfig
@@ -132,6 +132,7 @@ def quantize(
         "quantization": config.to_dict(),
         "calibration": calib_info or None,
         "kv_cache": kv_info,
+        "layer_errors": {"measure": ERROR_MEASURES[config.method], "linears": errors},
     }
     write_checkpoint(output, model, tokenizer, packed, quantization_config, manifest, dtype, overwrite,  # 7
                      extra_tensors=kv_tensors)

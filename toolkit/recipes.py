@@ -6,8 +6,8 @@
 Steps, in order, each one call of an existing verb (the steps a recipe has no section for are left out):
 
 1. quantize    ``toolkit.quantize.quantize`` → ``<output>/checkpoint``
-2. evaluate    perplexity of the float and the quantized model on the same held-out windows, KL(float ‖ quantized)
-               and top-1 agreement (``toolkit.evaluate.divergence``)
+2. evaluate    ``compound eval`` of the quantized model against the float one (``toolkit.evaluate.suite``): perplexity,
+               KL and agreement per held-out slice, generation checks; ``<output>/eval/eval.json`` feeds gates and card
 3. validate    ``toolkit.validate.validate`` on the checkpoint (hashes, runtime paths, serving preview)
 4. heads       ``toolkit.heads.pipeline.train_heads`` → ``<output>/heads``, trained against the quantized checkpoint
                when there is one (heads are trained against the model they serve), else the float model
@@ -205,15 +205,18 @@ class HeadsSection:
 
 @dataclass(frozen=True)
 class EvaluateSection:
-    """windows × seq_len held-out tokens for perplexity and divergence; prompts × new_tokens for the heads."""
+    """``compound eval`` of the checkpoint against the model: windows × seq_len held-out tokens per slice, the
+    generation checks (``generation``, ``generation_tokens`` decoded per prompt); prompts × new_tokens for the heads."""
 
     windows: int = 16
     seq_len: int = 512
+    generation: bool = True
+    generation_tokens: int = 96
     prompts: int = 8
     new_tokens: int = 64
 
     def __post_init__(self):
-        _at_least(self, 1, "windows", "prompts", "new_tokens")
+        _at_least(self, 1, "windows", "prompts", "new_tokens", "generation_tokens")
         _at_least(self, 2, "seq_len")
 
 
@@ -221,13 +224,15 @@ class EvaluateSection:
 class GatesSection:
     """Thresholds the run must meet before anything is pushed; None leaves a measure ungated.
 
-    max_perplexity_increase: quantized minus float perplexity; max_perplexity_ratio: their ratio; max_kl: mean
-    KL(float ‖ quantized) in nats per token; min_top1_agreement: in [0, 1]; min_accepted_length: mean tokens per
+    From ``eval.json`` (over all slices): max_perplexity_increase: quantized minus float perplexity;
+    max_perplexity_ratio: their ratio; max_slice_perplexity_ratio: the ratio on the slice that degrades most; max_kl:
+    mean KL(float ‖ quantized) in nats per token; min_top1_agreement: in [0, 1]. min_accepted_length: mean tokens per
     target forward in ``accepted_length_mode`` (chain: what vLLM serves; tree: compound's loop).
     """
 
     max_perplexity_increase: float | None = None
     max_perplexity_ratio: float | None = None
+    max_slice_perplexity_ratio: float | None = None
     min_top1_agreement: float | None = None
     max_kl: float | None = None
     min_accepted_length: float | None = None
@@ -240,8 +245,9 @@ class GatesSection:
         for key in ("max_perplexity_increase", "max_kl"):
             if getattr(self, key) is not None and getattr(self, key) < 0:
                 raise _Invalid(key, f"must be >= 0, got {getattr(self, key)}")
-        if self.max_perplexity_ratio is not None and self.max_perplexity_ratio < 1:
-            raise _Invalid("max_perplexity_ratio", f"must be >= 1 (quantized / float), got {self.max_perplexity_ratio}")
+        for key in ("max_perplexity_ratio", "max_slice_perplexity_ratio"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise _Invalid(key, f"must be >= 1 (quantized / float), got {getattr(self, key)}")
         if self.min_top1_agreement is not None and not 0 <= self.min_top1_agreement <= 1:
             raise _Invalid("min_top1_agreement", f"must be in [0, 1], got {self.min_top1_agreement}")
         if self.min_accepted_length is not None and self.min_accepted_length < 1:
@@ -292,7 +298,8 @@ class Recipe:
         if self.quantize is None and self.heads is None:
             raise _Invalid("", "a recipe needs a quantize or a heads section (or both)")
         gates = self.gates
-        for key in ("max_perplexity_increase", "max_perplexity_ratio", "min_top1_agreement", "max_kl"):
+        for key in ("max_perplexity_increase", "max_perplexity_ratio", "max_slice_perplexity_ratio", "min_top1_agreement",
+                    "max_kl"):
             if getattr(gates, key) is not None and self.quantize is None:
                 raise _Invalid(f"gates.{key}", "measures the quantized model, and the recipe has no quantize section")
         if gates.min_accepted_length is not None and self.heads is None:
@@ -452,8 +459,9 @@ def _plan(recipe: Recipe) -> list[_Step]:
         steps += [
             _Step("quantize", {"quantize": asdict(q), "calibration": asdict(cal) if needs_data else None}, (),
                   (recipe.checkpoint / "compound.json",), _quantize),
-            _Step("evaluate", {"dataset": cal.dataset, "windows": ev.windows, "seq_len": ev.seq_len}, ("quantize",),
-                  (), _evaluate),
+            _Step("evaluate", {"dataset": cal.dataset, "windows": ev.windows, "seq_len": ev.seq_len,
+                               "generation": ev.generation_tokens if ev.generation else None}, ("quantize",),
+                  (recipe.output / "eval" / "eval.json",), _evaluate),
             _Step("validate", {"dataset": cal.dataset}, ("quantize",), (), _validate),
         ]
     if h:
@@ -525,20 +533,15 @@ def _quantize(recipe: Recipe, console: Console) -> dict:
 
 
 def _evaluate(recipe: Recipe, console: Console) -> dict:
-    import torch
-
-    from toolkit.calibration import eval_windows
-    from toolkit.evaluate.divergence import divergence
-    from toolkit.heads.pipeline import load_target
+    from toolkit.evaluate.generation import SETS
+    from toolkit.evaluate.suite import evaluate
 
     ev = recipe.evaluate
-    console.print(f"evaluating on {ev.windows}×{ev.seq_len} held-out tokens of {recipe.calibration.dataset}")
-    base, _ = load_target(recipe.model, torch.float32)
-    model, tokenizer = load_target(str(recipe.checkpoint), torch.float32)
-    d = divergence(model, base, eval_windows(tokenizer, recipe.calibration.dataset, ev.windows, ev.seq_len))
-    return {**asdict(d), "dataset": recipe.calibration.dataset, "windows": ev.windows, "seq_len": ev.seq_len,
-            "perplexity_increase": d.perplexity - d.base_perplexity,
-            "perplexity_ratio": d.perplexity / d.base_perplexity}
+    console.print(f"evaluating on up to {ev.windows}×{ev.seq_len} held-out tokens per slice of "
+                  f"{recipe.calibration.dataset}" + (", with the generation checks" if ev.generation else ""))
+    return evaluate(str(recipe.checkpoint), recipe.output / "eval", base=recipe.model,
+                    dataset=recipe.calibration.dataset, windows=ev.windows, seq_len=ev.seq_len,
+                    generation_sets=SETS if ev.generation else (), new_tokens=ev.generation_tokens, overwrite=True)
 
 
 def _validate(recipe: Recipe, console: Console) -> dict:
@@ -596,11 +599,12 @@ class GateResult:
 def check_gates(gates: GatesSection, results: dict[str, dict]) -> list[GateResult]:
     """Every gate that applies to the measured ``results`` (step name → results; absent steps have no gates)."""
     checks = []
-    if "evaluate" in results:
-        ev = results["evaluate"]
-        checks += [("max_perplexity_increase", ev["perplexity_increase"], "<="),
-                   ("max_perplexity_ratio", ev["perplexity_ratio"], "<="),
-                   ("min_top1_agreement", ev["top1_agreement"], ">="), ("max_kl", ev["kl"], "<=")]
+    if "evaluate" in results:  # an eval.json report
+        overall, worst = results["evaluate"]["overall"], results["evaluate"]["worst_slice"]
+        checks += [("max_perplexity_increase", overall["perplexity"] - overall["base_perplexity"], "<="),
+                   ("max_perplexity_ratio", overall["perplexity_ratio"], "<="),
+                   ("max_slice_perplexity_ratio", results["evaluate"]["slices"][worst]["perplexity_ratio"], "<="),
+                   ("min_top1_agreement", overall["top1_agreement"], ">="), ("max_kl", overall["kl"], "<=")]
     if "validate" in results and gates.validate_required:
         checks.append(("validate_required", results["validate"]["ok"], "=="))
     if "heads_eval" in results:
@@ -758,7 +762,7 @@ def _push_step(recipe: Recipe, fingerprint: str, results: dict, api, resume: boo
         common["command"] = f"compound run {recipe.source}"
     targets = []  # (directory, repo, the card's results in toolkit.hub's keys)
     if recipe.quantize:
-        targets.append((recipe.checkpoint, push.repo_id, {"divergence": results["evaluate"], **common}))
+        targets.append((recipe.checkpoint, push.repo_id, {"eval": results["evaluate"], **common}))
     if recipe.heads:
         targets.append((recipe.heads_dir, push.heads_repo, {"acceptance": list(results["heads_eval"].values()),
                                                            **common}))
@@ -781,8 +785,10 @@ def _key_numbers(step: StepSummary) -> str:
     if step.name == "quantize":
         return f"{r['format']}, {r['size_mib']:.1f} MiB"
     if step.name == "evaluate":
-        return (f"ppl {r['base_perplexity']:.3f} → {r['perplexity']:.3f} (×{r['perplexity_ratio']:.3f}), "
-                f"KL {r['kl']:.4f}, top-1 {r['top1_agreement']:.1%}")
+        overall, worst = r["overall"], r["worst_slice"]
+        return (f"ppl {overall['base_perplexity']:.3f} → {overall['perplexity']:.3f} "
+                f"(×{overall['perplexity_ratio']:.3f}), KL {overall['kl']:.4f}, top-1 {overall['top1_agreement']:.1%}"
+                f"; worst {worst} ×{r['slices'][worst]['perplexity_ratio']:.3f}")
     if step.name == "validate":
         return f"{'ok' if r['ok'] else 'FAILED'}: " + ", ".join(f"{p['path']} {'ok' if p['ok'] else 'NO'}"
                                                                 for p in r["paths"])

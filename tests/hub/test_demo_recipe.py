@@ -31,4 +31,5 @@ def test_demo_recipe_runs_and_pushes(hub, tmp_path):  # noqa: F811
     assert "compound.json" in checkpoint_files and "config.json" in heads_files
     card = checkpoint_files["README.md"].decode()
     assert card.startswith("---\n") and "perplexity" in card.lower()
+    assert "Degrades most: **" in card and "| json | 8 |" in card  # the eval report's slices and generation checks
     assert "medusa" in heads_files["README.md"].decode().lower()

@@ -26,7 +26,7 @@ import yaml
 from local_hub import USER, LocalHub
 from toolkit.formats.checkpoint import MANIFEST, sha256_file, write_directory
 from toolkit.formats.gptq import quantization_config
-from toolkit.hub import ALIAS_BASE_MODELS, HubError, _acceptance_png, model_card, push
+from toolkit.hub import ALIAS_BASE_MODELS, HubError, _acceptance_png, card_results, model_card, push
 from toolkit.models import EMBEDDED
 from toolkit.quant.configs import RTNConfig
 
@@ -340,13 +340,37 @@ def test_model_card_shows_only_what_was_measured(artifact, tmp_path):
     assert "No measurements were published" in card and "| KL" not in card
     assert "| method | rtn |" in card and "| group size | 64 |" in card
     assert f"vllm serve {artifact.name} --dtype float16" in card
-    card = model_card(artifact, {"perplexity": {"dataset": "sharegpt", "windows": 4, "seq_len": 64, "results": [
-        {"model": str(tmp_path / "secret" / "ckpt"), "perplexity": 13.0, "nll": 2.565, "tokens": 252}]},
-        "evaluate": {"perplexity_float": 12.0, "perplexity_quantized": 13.0, "kl": 0.02}, "gates": ["max_kl: ok"],
-        "latency_ms": {"p50": 12.5}})
-    assert "| ckpt | 13 | 2.565 | 252 |" in card and str(tmp_path) not in card  # no local directory layout
+    card = model_card(artifact, {"eval": _eval_report(str(tmp_path / "secret" / "ckpt")), "gates": ["max_kl: ok"],
+                                 "latency_ms": {"p50": 12.5}})
+    assert str(tmp_path) not in card  # no local directory layout
     assert "| base perplexity | 12 |" in card and "| perplexity | 13 |" in card and "- max_kl: ok" in card
+    assert "| code | 252 | 14.000 | 12.000 | ×1.167 |" in card and "Degrades most: **code**" in card
+    assert "| json | 8 | 50% | 75% | – |" in card
     assert "| latency_ms.p50 | 12.5 |" in card and "tokens/s" not in card
+
+
+def _eval_report(model):
+    """An eval.json report as ``compound eval`` writes it (two slices measured, the others empty)."""
+    def row(tokens, ppl, base):
+        return {"tokens": tokens, "windows": tokens // 63, "perplexity": ppl, "base_perplexity": base,
+                "perplexity_ratio": ppl / base, "kl": 0.02, "kl_above": 0.05, "top1_agreement": 0.9,
+                "top5_agreement": 0.99}
+    empty = dict.fromkeys(row(0, 1, 1), None) | {"tokens": 0, "windows": 0}
+    return {"schema": "compound.eval/1", "model": model, "base": "smollm2-135m", "heads": None, "dataset": "sharegpt",
+            "seq_len": 64, "windows_per_slice": 4, "kl_threshold": 0.1,
+            "slices": {"prose": row(252, 12.5, 12.0), "code": row(252, 14.0, 12.0), "non-english": empty,
+                       "structured": empty},
+            "overall": row(504, 13.0, 12.0), "worst_slice": "code",
+            "kl_histogram": {"lower_edges": [0.0, 0.1], "counts": [480, 24]},
+            "generation": {"json": {"prompts": 8, "passed": {"model": 0.5, "base": 0.75}, "same_as_base": None,
+                                    "outputs": {}}},
+            "acceptance": None, "layer_errors": None, "seconds": 1.0}
+
+
+def test_an_eval_json_alone_is_read_as_the_eval_results(tmp_path):
+    report = _eval_report("ckpt")
+    assert card_results(report) == {"eval": report}
+    assert card_results({"divergence": DIVERGENCE}) == {"divergence": DIVERGENCE}
 
 
 def test_model_card_of_a_local_model_names_no_base_and_no_path(artifact, tmp_path):

@@ -1,28 +1,39 @@
 """How far a model's next-token distributions move from a base model's, on the same held-out windows.
 
-KL(base ‖ model) per predicted token, averaged; top-1 agreement (same argmax); the perplexity of both. The two models
-run batch by batch side by side, so no logits are stored beyond one batch.
+Per predicted token: KL(base ‖ model) in nats, top-1 agreement (the same argmax), top-5 agreement (the base's argmax
+is among the model's five most likely tokens), and both models' NLL of the true next token. Averages hide where a
+model breaks, so the share of tokens whose KL is above ``kl_threshold`` and a histogram of KL over ``KL_EDGES`` are
+kept too. The two models run batch by batch side by side, so no logits are stored beyond one batch; ``combine``
+merges results of disjoint windows (slices) into their token-weighted total.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+KL_THRESHOLD = 1.0  # nats: a token whose next-token distribution moved this far has broken, not drifted
+KL_EDGES = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 0.3, 1.0, 3.0, math.inf)  # histogram bins [e_i, e_i+1)
+
 
 @dataclass(frozen=True)
 class Divergence:
-    """Mean KL(base ‖ model) in nats, top-1 agreement in [0, 1], both perplexities, over ``tokens`` predictions."""
+    """Token means over ``tokens`` predictions: KL(base ‖ model) in nats, the share above ``kl_threshold``, top-1
+    and top-5 agreement in [0, 1], both perplexities; ``kl_counts``: tokens per ``KL_EDGES`` bin."""
 
     kl: float
+    kl_above: float
+    kl_threshold: float
     top1_agreement: float
+    top5_agreement: float
     perplexity: float
     base_perplexity: float
     tokens: int
+    kl_counts: tuple[int, ...]
 
 
 def divergence(
@@ -31,23 +42,51 @@ def divergence(
     windows: torch.Tensor,
     batch_size: int = 2,
     on_batch: Callable[[int], None] | None = None,
+    kl_threshold: float = KL_THRESHOLD,
 ) -> Divergence:
     """Compare ``model`` with ``base`` on ``windows`` [W, T] of token ids (each window scored from its 2nd token)."""
-    kl_sum = agree = nll = base_nll = 0.0
-    count = 0
+    if windows.shape[0] == 0 or windows.shape[1] < 2:
+        raise ValueError(f"no tokens to compare: windows has shape {list(windows.shape)}")
+    kl_sum = above = top1 = top5 = nll = base_nll = 0.0
+    counts = torch.zeros(len(KL_EDGES) - 1, dtype=torch.long)
+    edges = torch.tensor(KL_EDGES[1:-1])
     with torch.inference_mode():
         for batch in windows.split(batch_size):
-            targets = batch[:, 1:].reshape(-1)  # (B·(T-1),)
+            targets = batch[:, 1:].reshape(-1, 1)  # (B·(T-1), 1)
             logp = _log_probs(model, batch)  # (B·(T-1), V)
             base_logp = _log_probs(base, batch)
-            kl_sum += float((base_logp.exp() * (base_logp - logp)).sum())
-            agree += float((logp.argmax(-1) == base_logp.argmax(-1)).sum())
-            nll -= float(logp.gather(1, targets[:, None]).sum())
-            base_nll -= float(base_logp.gather(1, targets[:, None]).sum())
-            count += targets.numel()
+            kl = (base_logp.exp() * (base_logp - logp)).sum(-1).clamp_min(0.0)  # rounding can dip below 0
+            base_top = base_logp.argmax(-1, keepdim=True)
+            kl_sum += float(kl.sum())
+            above += float((kl > kl_threshold).sum())
+            counts += torch.bincount(torch.bucketize(kl, edges, right=True), minlength=counts.numel())
+            top1 += float((logp.argmax(-1, keepdim=True) == base_top).sum())
+            top5 += float((logp.topk(5, -1).indices == base_top).any(-1).sum())
+            nll -= float(logp.gather(1, targets).sum())
+            base_nll -= float(base_logp.gather(1, targets).sum())
             if on_batch:
                 on_batch(batch.shape[0])
-    return Divergence(kl_sum / count, agree / count, math.exp(nll / count), math.exp(base_nll / count), count)
+    n = windows.shape[0] * (windows.shape[1] - 1)
+    if not math.isfinite(kl_sum + nll + base_nll):
+        raise FloatingPointError("a model produced NaN or infinite logits on the evaluation windows")
+    return Divergence(kl_sum / n, above / n, kl_threshold, top1 / n, top5 / n, math.exp(nll / n),
+                      math.exp(base_nll / n), n, tuple(int(c) for c in counts))
+
+
+def combine(parts: Sequence[Divergence]) -> Divergence:
+    """The token-weighted total of results on disjoint windows (perplexities through their mean NLL)."""
+    n = sum(p.tokens for p in parts)
+    if not parts or not n:
+        raise ValueError("nothing to combine: no part has tokens")
+
+    def mean(value: Callable[[Divergence], float]) -> float:
+        return sum(value(p) * p.tokens for p in parts) / n
+
+    return Divergence(mean(lambda p: p.kl), mean(lambda p: p.kl_above), parts[0].kl_threshold,
+                      mean(lambda p: p.top1_agreement), mean(lambda p: p.top5_agreement),
+                      math.exp(mean(lambda p: math.log(p.perplexity))),
+                      math.exp(mean(lambda p: math.log(p.base_perplexity))), n,
+                      tuple(map(sum, zip(*(p.kl_counts for p in parts)))))
 
 
 def _log_probs(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:

@@ -5,14 +5,14 @@ Two proposal shapes for Medusa: ``chain_paths(K)``, each head's top-1 in a chain
 (``method: medusa``), and ``DEFAULT_TREE``, a small static tree (Medusa's sparse trees, cut to 12 nodes because a CPU
 target pays for every node it verifies). EAGLE heads draft a chain of k tokens (vLLM's ``eagle``/``eagle3``) or an
 EAGLE-2 dynamic tree (SGLang's steps / top-k / draft tokens), ``toolkit.heads.eagle_draft.TreeShape``. Held-out
-prompts can be restricted to code or non-English ones (``prompt_category``): acceptance drops out of distribution.
+prompts can be restricted to one slice (``toolkit.evaluate.slices``: prose, code, non-English, structured): acceptance
+drops out of distribution.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,6 +23,7 @@ from torch import nn
 from toolkit.calibration.sources import load_records
 from toolkit.calibration.splits import iter_split
 from toolkit.decode import Decoder, Drafter, MedusaDrafter, generate, speculative_generate
+from toolkit.evaluate.slices import SLICES, slice_of
 from toolkit.formats.checkpoint import MANIFEST
 from toolkit.heads.eagle_draft import EagleDrafter, TreeShape, eagle_decoder
 
@@ -40,26 +41,15 @@ def tree_for(num_heads: int) -> list[tuple[int, ...]]:
     return [p for p in DEFAULT_TREE if len(p) <= num_heads]
 
 
-CATEGORIES = ("all", "code", "non-english")
-_CODE = re.compile(r"```|\b(def|class|function|import|return|SELECT|#include|console\.log|public static)\b")
-
-
-def prompt_category(text: str) -> str:
-    """"non-english" when under 70 % of the letters are ASCII, "code" when it holds a code fence or code keywords
-    next to code punctuation, else "english"."""
-    letters = [c for c in text if c.isalpha()]
-    if letters and sum(c.isascii() for c in letters) / len(letters) < 0.7:
-        return "non-english"
-    if _CODE.search(text) and re.search(r"[{}();=]", text):
-        return "code"
-    return "english"
+CATEGORIES = ("all", *SLICES)
 
 
 def heldout_prompts(tokenizer, n: int, max_prompt_tokens: int = 256, skip: int = 0,
                     source: str = "sharegpt", category: str = "all", partial: bool = False) -> list[torch.Tensor]:
     """Chat-templated first user turns of ``source``'s eval split (never trained or calibrated on) whose prompt fits
     ``max_prompt_tokens``: the first ``n`` after the first ``skip`` of them that are, unless ``category`` is "all", of
-    that ``prompt_category`` (so the skipped prompts are never returned, whatever the category). partial: return fewer than ``n`` when the split has fewer (at least one), instead of
+    that slice (``toolkit.evaluate.slices.slice_of`` of the turn; the skipped prompts are never returned, whatever
+    the category). partial: return the ones there are when the split has fewer than ``n`` (maybe none), instead of
     raising (the eval split holds only a few non-English prompts)."""
     if category not in CATEGORIES:
         raise ValueError(f"prompt category must be one of {', '.join(CATEGORIES)}, got {category!r}")
@@ -76,11 +66,11 @@ def heldout_prompts(tokenizer, n: int, max_prompt_tokens: int = 256, skip: int =
         if len(ids) > max_prompt_tokens:
             continue
         seen += 1
-        if seen > skip and (category == "all" or prompt_category(turns[0]["content"]) == category):
+        if seen > skip and (category == "all" or slice_of(turns[0]["content"]) == category):
             prompts.append(torch.tensor(ids, dtype=torch.long))
         if len(prompts) == n:
             break
-    if len(prompts) < n and not (partial and prompts):
+    if len(prompts) < n and not partial:
         raise ValueError(f"only {len(prompts)} held-out {category} prompts of at most {max_prompt_tokens} tokens in "
                          f"{source}; asked for {n}")
     return prompts
@@ -225,12 +215,14 @@ def recommended(reports: Sequence[AcceptanceReport]) -> AcceptanceReport:
 
 def validate_heads(target_spec: str, heads_dir, prompts: int = 8, max_new_tokens: int = 64, skip: int = 4,
                    dtype: torch.dtype = torch.float32, categories: Sequence[str] = ("all",),
-                   tree: TreeShape | None = None, chain: int | None = None) -> list[AcceptanceReport]:
+                   tree: TreeShape | None = None, chain: int | None = None,
+                   explore: bool = True) -> list[AcceptanceReport]:
     """Heads from ``heads_dir`` (Medusa or EAGLE, told apart by their config) drafting for ``target_spec`` (run in
     ``dtype``) on held-out prompts. Medusa: its static tree and the top-1 chain that vLLM serves. EAGLE: ``tree`` (an
     EAGLE-2 dynamic tree as SGLang drafts) and vLLM's chain of ``chain`` tokens (defaults: ``trained_shape``), and on
-    the first category neighbouring shapes to recommend the fastest (``recommended``).
-    categories: prompt subsets (``CATEGORIES``), each reported separately (mode suffixed with the category).
+    the first category (with ``explore``) neighbouring shapes to recommend the fastest (``recommended``).
+    categories: prompt subsets (``CATEGORIES``), each reported separately (mode suffixed with the category); a slice
+    the held-out split has no prompt of is left out.
 
     Lossless means the speculative output equals plain greedy decoding in the same loop and dtype; in bfloat16 a
     near-tie can round differently in a tree forward than in a one-token forward, which float32 makes vanishingly
@@ -258,10 +250,13 @@ def validate_heads(target_spec: str, heads_dir, prompts: int = 8, max_new_tokens
     reports = []
     for n, category in enumerate(categories):
         chosen = heldout_prompts(tokenizer, prompts, skip=skip, category=category, partial=category != "all")
+        if not chosen:
+            continue
         greedy, greedy_s = greedy_outputs(target, chosen, max_new_tokens, tokenizer.eos_token_id)
         suffix = "" if category == "all" else f" ({category})"
         if eagle:
-            shapes = eagle_shapes(tree, chain) if n == 0 else [("tree", tree), ("chain", TreeShape(chain))]
+            explored = explore and n == 0
+            shapes = eagle_shapes(tree, chain) if explored else [("tree", tree), ("chain", TreeShape(chain))]
             reports += [measure_eagle(target, head, chosen, max_new_tokens, shape, mode + suffix,
                                       tokenizer.eos_token_id, greedy, greedy_s) for mode, shape in shapes]
         else:

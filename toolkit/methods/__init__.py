@@ -19,6 +19,14 @@ DRIVERS: dict[str, LayerDriver] = {
     "awq+gptq": awq_gptq.quantize_layer,
 }
 
+# What each driver records in ``session.errors`` per linear (comparable across layers of one run, not across methods).
+ERROR_MEASURES: dict[str, str] = {
+    "rtn": "relative weight error ‖Ŵ − W‖ / ‖W‖",
+    "gptq": "GPTQ loss (Hessian-weighted squared error)",
+    "awq": "relative output error on calibration activations",
+    "awq+gptq": "GPTQ loss (Hessian-weighted squared error)",
+}
+
 
 def driver_for(method: str) -> LayerDriver:
     """The layer driver of a registered method."""
