@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -41,6 +42,12 @@ def eval_command(args, method: str) -> list[str]:
 
 def checkpoint(method: str) -> Path:
     return CACHE / f"smollm2-{method}-w4g64"
+
+
+def label(method: str) -> str:
+    """e.g. "GPTQ W4 g64 sym", from the checkpoint's manifest."""
+    q = json.loads((checkpoint(method) / "compound.json").read_text())["quantization"]
+    return f"{method.upper()} W{q['bits']} g{q['group_size']} {'sym' if q['sym'] else 'asym'}"
 
 
 def shown(command: list[str]) -> str:
@@ -96,10 +103,10 @@ def main() -> None:
         seconds[method] = run(eval_command(args, method))
         reports[method] = json.loads((Path(str(checkpoint(method)) + ".eval") / "eval.json").read_text())
     ppl, kl, gen = rows(reports)
-    names = [m.upper() for m in methods]
-    worst = {m.upper(): r["worst_slice"] for m, r in reports.items()}
+    names = [label(m) for m in methods]
+    worst = {label(m): r["worst_slice"] for m, r in reports.items()}
     tables = [
-        markdown_table(["slice", "tokens", "float", *(f"{n} W4 g64" for n in names)], ppl),
+        markdown_table(["slice", "tokens", "float", *names], ppl),
         markdown_table(["slice", *(f"{n}: KL / top-1 / top-5 / KL>1" for n in names)], kl),
         markdown_table(["generation check (greedy)", "prompts", "float", *names], gen),
     ]
@@ -109,7 +116,8 @@ def main() -> None:
     if args.no_write:
         return
     body = "\n\n".join([
-        f"`python benchmarks/eval_slices.py --methods {args.methods} --windows {args.windows}` on {cpu_name()}: per "
+        f"`python benchmarks/eval_slices.py --methods {args.methods} --windows {args.windows}` on {cpu_name()}, "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}: per "
         "method one `compound quantize` (128×512 ShareGPT calibration tokens, the same for every method) and one "
         "`compound eval` against the float model (the embedded GGUF, dequantized). Held-out: the ShareGPT eval "
         f"split, up to {args.windows}×{args.seq_len} tokens per slice (the eval split holds only a few non-English "
