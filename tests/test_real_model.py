@@ -38,10 +38,11 @@ def test_checkpoint_is_gptq_and_four_times_smaller(rtn_checkpoint):
     assert 3.5 < fp16_bytes / packed_bytes < 4.0
 
 
-def test_eval_reports_slices_and_generation_checks_next_to_float(rtn_checkpoint, tmp_path):
+def test_eval_reports_slices_next_to_float(rtn_checkpoint, tmp_path):
+    """The generation checks on the real model run in the demo recipe's test (tests/hub/test_demo_recipe.py)."""
     out = tmp_path / "eval"
     stdout = compound("eval", "--model", rtn_checkpoint, "--base", "smollm2-135m", "--windows", "1", "--seq-len",
-                      "256", "--new-tokens", "24", "--output", out).stdout
+                      "256", "--no-generation", "--output", out).stdout
     report = json.loads((out / "eval.json").read_text())
     assert f"degrades most: {report['worst_slice']}" in stdout
     slices = report["slices"]
@@ -51,8 +52,6 @@ def test_eval_reports_slices_and_generation_checks_next_to_float(rtn_checkpoint,
         assert 0.4 < row["top1_agreement"] < row["top5_agreement"] < 1.0
     layers = report["layer_errors"]["layers"]
     assert len(layers) == 30 and all(0.05 < e < 0.2 for e in layers)  # RTN's relative weight error per layer
-    factual = report["generation"]["factual"]["passed"]
-    assert factual["base"] >= 0.5  # the float model names Paris, Tokyo, ... within 24 tokens
     assert {p.name for p in out.iterdir()} == {"eval.json", "eval.md", "slices.png", "kl_histogram.png",
                                                "layer_errors.png"}
 

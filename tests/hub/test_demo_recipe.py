@@ -32,4 +32,8 @@ def test_demo_recipe_runs_and_pushes(hub, tmp_path):  # noqa: F811
     card = checkpoint_files["README.md"].decode()
     assert card.startswith("---\n") and "perplexity" in card.lower()
     assert "Degrades most: **" in card and "| json | 8 |" in card  # the eval report's slices and generation checks
+    generation = json.loads((out / "eval" / "eval.json").read_text())["generation"]
+    assert generation["factual"]["passed"]["base"] >= 0.5  # the float model names Paris, Tokyo, ... in 24 tokens
+    assert all(0 <= check["passed"]["model"] <= 1 and len(check["outputs"]["model"]) == check["prompts"]
+               for check in generation.values())
     assert "medusa" in heads_files["README.md"].decode().lower()
