@@ -16,9 +16,11 @@ def run(*args):
 
 def test_quantize_and_eval_tiny_model(tmp_path, tiny_llama_dir):
     out = tmp_path / "q"
-    result = run("quantize", "--model", tiny_llama_dir, "--method", "rtn", "--group-size", "32", "--output", out)
+    result = run("quantize", "--model", tiny_llama_dir, "--method", "rtn", "--group-size", "32", "--output", out,
+                 "--eval", "--eval-windows", "2", "--seq-len", "64")
     assert result.exit_code == 0, result.output
     assert "wall time" in result.output and (out / "compound.json").is_file()
+    assert "perplexity, quantized" in result.output and "held-out tokens scored" in result.output
     result = run("eval", "--model", out, "--base", tiny_llama_dir, "--windows", "2", "--seq-len", "64")
     assert result.exit_code == 0, result.output
     assert "126" in result.output  # 2 windows × 63 predicted tokens, for each model
