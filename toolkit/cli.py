@@ -113,6 +113,9 @@ def quantize(
     trust_remote_code: bool = typer.Option(False, help="Allow model code from the checkpoint (off by default)."),
     kv_cache: Optional[str] = typer.Option(None, help="Also calibrate static KV-cache scales: fp8 (vLLM --kv-cache-dtype fp8; read from compressed-tensors checkpoints) | int8 (compound's decode loop)."),
     kv_cache_strategy: str = typer.Option("tensor", help="KV-cache scales per layer (tensor) or per KV head (attn_head)."),
+    stream: bool = typer.Option(False, "--stream/--no-stream", help="Load each decoder layer from the safetensors shards of a local model directory only when it is quantized, and write it out at once: for models larger than memory."),
+    offload_activations: bool = typer.Option(False, help="Keep calibration activations between layers on disk (next to --output) instead of in memory."),
+    batch_size: int = typer.Option(8, help="Calibration sequences run through a layer at once; fewer need less memory."),
 ):
     """Quantize a causal LM layer by layer and write a deployable checkpoint."""
     import torch
@@ -128,13 +131,15 @@ def quantize(
             result = run_quantize(model, config, output, CalibrationSpec(dataset, samples, seq_len), fmt=fmt,
                                   dtype=getattr(torch, DTYPES.get(dtype, "float16")), overwrite=overwrite,
                                   trust_remote_code=trust_remote_code, progress=_RichProgress(bar),
-                                  kv_cache=kv_cache, kv_cache_strategy=kv_cache_strategy)
+                                  kv_cache=kv_cache, kv_cache_strategy=kv_cache_strategy, stream=stream,
+                                  offload_activations=offload_activations, batch_size=batch_size)
         table = Table(title=f"compound quantize: {method} W{bits} g{group_size}")
         table.add_column("measure")
         table.add_column("value", justify="right")
         table.add_row("output", str(result.output))
         table.add_row("wall time", f"{result.seconds:.1f} s")
         table.add_row("peak memory (RSS)", f"{result.peak_rss_mb:.0f} MiB")
+        table.add_row("memory estimate", f"{result.memory.total / 2**20:.0f} MiB")
         table.add_row("size on disk", f"{_dir_size(result.output) / 2**20:.1f} MiB")
         if evaluate:
             quantized = _measure_perplexity(str(result.output), dataset, eval_windows, seq_len)
@@ -209,7 +214,7 @@ def validate(
     prompts: int = typer.Option(8, help="With --heads: held-out prompts decoded."),
     max_new_tokens: int = typer.Option(64, help="With --heads: tokens generated per prompt."),
     heads_dtype: str = typer.Option("float32", "--dtype", help="With --heads: the target's dtype in the decode loop (float32 | bfloat16)."),
-    categories: str = typer.Option("all", help="With --heads: held-out prompt sets, comma-separated, each reported apart: all, code, non-english."),
+    categories: str = typer.Option("all", help="With --heads: held-out prompt sets, comma-separated, each reported apart: all, prose, code, non-english, structured."),
     dataset: str = typer.Option("sharegpt", help="Held-out source (its eval split)."),
     windows: int = typer.Option(2, help="Held-out windows run on every path."),
     seq_len: int = typer.Option(64, help="Tokens per window (at most 256, where cpu-int4 hands over to the reference)."),

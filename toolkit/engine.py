@@ -6,20 +6,28 @@
    hooks to see what its linears see and returns their quantized weights; put the dequantized weights in place;
    run the quantized layer to produce the next layer's inputs.
 
-Only the current layer needs to sit on the compute device. The engine knows no quantization algorithm: a driver is
-any ``LayerDriver`` callable, looked up by method name.
+Only the current layer needs to sit on the compute device, and only the current layer needs weights at all: a
+``LayerSource`` loads each layer before its session and releases it afterwards (``toolkit.streaming`` reads layers
+from safetensors shards; the default does nothing, for a model already in memory). With ``offload_dir`` the
+activations between layers live on disk (``toolkit.offload``). The engine knows no quantization algorithm: a driver
+is any ``LayerDriver`` callable, looked up by method name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import itertools
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from toolkit.models import ArchSpec, arch_spec, decoder_layers, layer_linears
+from toolkit.offload import DiskActivations
 from toolkit.quant.configs import WeightQuantConfig
 from toolkit.quant.primitives import QuantizedWeight
 
@@ -34,9 +42,10 @@ class _Stop(Exception):
 
 @dataclass
 class LayerInputs:
-    """What enters one decoder layer for every calibration batch: hidden states [B, T, H] and keyword arguments."""
+    """What enters one decoder layer for every calibration batch: hidden states [B, T, H] (a list, or a
+    ``DiskActivations`` read back batch by batch) and keyword arguments."""
 
-    hidden: list[torch.Tensor]
+    hidden: Sequence[torch.Tensor]
     kwargs: list[dict[str, Any]]
 
 
@@ -84,7 +93,7 @@ class LayerSession:
             self.layer.get_submodule(n).register_forward_pre_hook(make_hook(n), with_kwargs=True) for n in names
         ]
         try:
-            for hidden, kwargs in list(zip(self.inputs.hidden, self.inputs.kwargs))[:batches]:
+            for hidden, kwargs in itertools.islice(zip(self.inputs.hidden, self.inputs.kwargs), batches):
                 pending.update(names)
                 try:
                     self.layer(hidden, **kwargs)
@@ -98,24 +107,30 @@ class LayerSession:
         """Like ``collect`` for linears: ``on_input(name, X)`` with X flattened to [tokens, in_features]."""
         self.collect(names, lambda name, args, kwargs: on_input(name, args[0].reshape(-1, args[0].shape[-1])))
 
-    def forward(self) -> list[torch.Tensor]:
-        """Outputs of the layer (as it is now) for every calibration batch."""
-        return [_layer_output(self.layer(h, **kw)) for h, kw in zip(self.inputs.hidden, self.inputs.kwargs)]
+    def forward(self, store: DiskActivations | None = None) -> Sequence[torch.Tensor]:
+        """Outputs of the layer (as it is now) for every calibration batch, appended to ``store`` (default: a new
+        list); NaN or infinite outputs are refused."""
+        outputs = [] if store is None else store
+        for hidden, kwargs in zip(self.inputs.hidden, self.inputs.kwargs):
+            out = _layer_output(self.layer(hidden, **kwargs))
+            _check_finite([out], self.index)
+            outputs.append(out)
+        return outputs
 
     def trace_input_groups(self) -> list[list[str]]:
         """Linears grouped by the tensor they read, in execution order: [[q, k, v], [o], [gate, up], [down]] for
         a Llama layer. Traced on the first batch, so it follows the real forward of any architecture."""
-        order: list[tuple[str, int]] = []
+        order: list[tuple[str, torch.Tensor]] = []  # the inputs themselves: an id() could be reused once one is freed
         names = list(layer_linears(self.layer))
-        self.collect(names, lambda name, args, kwargs: order.append((name, id(args[0]))), batches=1)
+        self.collect(names, lambda name, args, kwargs: order.append((name, args[0])), batches=1)
         groups: list[list[str]] = []
         last_input = None
-        for name, input_id in order:
-            if groups and input_id == last_input:
+        for name, tensor in order:
+            if groups and tensor is last_input:
                 groups[-1].append(name)
             else:
                 groups.append([name])
-            last_input = input_id
+            last_input = tensor
         return groups
 
 
@@ -123,6 +138,26 @@ class LayerDriver(Protocol):
     """A method's per-layer step: quantize the session's linears, return their weights by relative name."""
 
     def __call__(self, session: LayerSession) -> dict[str, QuantizedWeight]: ...
+
+
+class LayerSource(Protocol):
+    """Where decoder layers' weights come from: ``load`` fills layer ``index`` before its session (after the first
+    layer's inputs were captured, so layer 0's load may free what only the capture needed); ``release`` runs once the
+    layer is quantized and has produced the next layer's inputs (and its quantized weights were sunk)."""
+
+    def load(self, index: int, layer: nn.Module) -> None: ...
+
+    def release(self, index: int, layer: nn.Module) -> None: ...
+
+
+class InMemory:
+    """The layer source of a model whose weights are all in memory: nothing to load or release."""
+
+    def load(self, index, layer):
+        pass
+
+    def release(self, index, layer):
+        pass
 
 
 class Progress(Protocol):
@@ -156,14 +191,29 @@ def quantize_layers(
     batch_size: int = 8,
     device: torch.device | str = "cpu",
     progress: Progress | None = None,
+    source: LayerSource | None = None,
+    offload_dir: Path | None = None,
 ) -> dict[str, float]:
     """Quantize every decoder-layer linear of ``model`` in place (weights replaced by their dequantized values) and
     hand each ``QuantizedWeight`` to ``sink(full_name, weight)`` as soon as its layer is done. Returns each linear's
     error as its driver measured it, by full name.
 
     tokens: LongTensor [samples, seq_len] of calibration data; ``None`` for methods that need no activations.
+    source: loads and releases each layer's weights (default: ``InMemory``, the model holds them all).
+    offload_dir: keep the activations between layers in a temporary directory made there, not in memory.
     """
+    with contextlib.ExitStack() as cleanup:
+        scratch = None
+        if offload_dir is not None:
+            scratch = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix=".compound-activations-",
+                                                                              dir=offload_dir)))
+        return _quantize_layers(model, config, driver, tokens, sink, batch_size, device, progress, source, scratch)
+
+
+def _quantize_layers(model, config, driver, tokens, sink, batch_size, device, progress, source, scratch):
+    """``quantize_layers`` with the offload directory made (``scratch``, or None to keep activations in memory)."""
     progress = progress or _Silent()
+    source = source or InMemory()
     layers = decoder_layers(model)
     prefix = arch_spec(model).layers
     check_widths(model, config)
@@ -172,11 +222,13 @@ def quantize_layers(
         if tokens is None:
             raise ValueError(f"method {config.method!r} needs calibration tokens")
         progress.step("capturing first-layer inputs")
-        inputs = capture_layer_inputs(model, tokens, batch_size, device)
+        store = None if scratch is None else DiskActivations(scratch / "embeddings")
+        inputs = capture_layer_inputs(model, tokens, batch_size, device, store)
     progress.start(len(layers))
     groups: list[list[str]] = []
     errors: dict[str, float] = {}
     for index, layer in enumerate(layers):
+        source.load(index, layer)
         layer.to(device)
         linears = {n: m for n, m in layer_linears(layer).items() if not _skipped(f"{prefix}.{index}.{n}", config)}
         session = LayerSession(index, layer, inputs, config, linears, arch=arch_spec(model))
@@ -190,9 +242,13 @@ def quantize_layers(
                 linear.weight.copy_(qweight.dequantize().to(linear.weight.dtype))
                 sink(f"{prefix}.{index}.{name}", qweight)
             if inputs is not None:
-                inputs.hidden = session.forward()
-                _check_finite(inputs.hidden, index)
+                store = None if scratch is None else DiskActivations(scratch / f"layer-{index}")
+                outputs = session.forward(store)
+                if isinstance(inputs.hidden, DiskActivations):
+                    inputs.hidden.delete()
+                inputs.hidden = outputs
         layer.to("cpu")
+        source.release(index, layer)
         errors.update({f"{prefix}.{index}.{name}": e for name, e in session.errors.items()})
         progress.layer_done(index, session.errors)
     return errors
@@ -209,11 +265,17 @@ def check_widths(model: nn.Module, config: WeightQuantConfig) -> None:
 
 
 def capture_layer_inputs(
-    model: nn.Module, tokens: torch.Tensor, batch_size: int, device: torch.device | str = "cpu"
+    model: nn.Module,
+    tokens: torch.Tensor,
+    batch_size: int,
+    device: torch.device | str = "cpu",
+    store: DiskActivations | None = None,
 ) -> LayerInputs:
-    """Run the model up to its first decoder layer for each batch of ``tokens`` and keep what that layer receives."""
+    """Run the model up to its first decoder layer for each batch of ``tokens`` and keep what that layer receives
+    (hidden states appended to ``store``, default a list). Only the modules outside the decoder layers (and the LM
+    head) move to ``device``: the layers may have no weights yet."""
     first = decoder_layers(model)[0]
-    hidden, kwargs = [], []
+    hidden, kwargs = ([] if store is None else store), []
 
     def grab(module, args, kw):
         hidden.append(args[0] if args else kw.pop("hidden_states"))
@@ -221,8 +283,7 @@ def capture_layer_inputs(
         raise _Stop
 
     handle = first.register_forward_pre_hook(grab, with_kwargs=True)
-    outer = [m for name, m in model.named_children() if name != "lm_head"]
-    for m in outer:
+    for m in _outside_layers(model, arch_spec(model).layers.split(".")):
         m.to(device)
     try:
         with torch.no_grad():
@@ -235,6 +296,17 @@ def capture_layer_inputs(
         handle.remove()
     _check_finite(hidden, -1)
     return LayerInputs(hidden, kwargs)
+
+
+def _outside_layers(module: nn.Module, path: list[str]) -> Iterable[nn.Module]:
+    """The children of ``module`` that neither hold the decoder layers at ``path`` nor are the LM head, descending
+    into the modules along ``path`` (``model.layers``: ``model.embed_tokens``, ``model.norm``, ``model.rotary_emb``)."""
+    for name, child in module.named_children():
+        if name == path[0]:
+            if len(path) > 1:
+                yield from _outside_layers(child, path[1:])
+        elif name != "lm_head":
+            yield child
 
 
 def _skipped(full_name: str, config: WeightQuantConfig) -> bool:

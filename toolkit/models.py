@@ -137,7 +137,34 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False):
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> nn.Module:
     """A causal LM in ``dtype`` on the CPU, in eval mode, with its architecture checked before anything runs."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    name, extra = _from_pretrained_args(spec)
+    _checked_config(spec, trust_remote_code)
+    model = _hub_call(
+        spec, AutoModelForCausalLM.from_pretrained, name, dtype=dtype, trust_remote_code=trust_remote_code, **extra
+    )
+    return model.eval()
+
+
+def empty_model(spec: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> nn.Module:
+    """The causal LM of ``spec`` with every parameter on the meta device (no weight memory; buffers such as RoPE
+    frequencies are real), in eval mode, with the checkpoint's generation config when it has one."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    config = _checked_config(spec, trust_remote_code)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    path = Path(spec).expanduser()
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    return model.eval()
+
+
+def _checked_config(spec: str, trust_remote_code: bool):
+    """The ``AutoConfig`` of ``spec``, refused unless its architecture is in ``ARCHITECTURES``."""
+    from transformers import AutoConfig
 
     name, extra = _from_pretrained_args(spec)
     config = _hub_call(spec, AutoConfig.from_pretrained, name, trust_remote_code=trust_remote_code, **extra)
@@ -146,10 +173,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, trust_remote_code:
             f"unsupported architecture {config.model_type!r} in {spec}: "
             f"compound quantizes {', '.join(sorted(ARCHITECTURES))}"
         )
-    model = _hub_call(
-        spec, AutoModelForCausalLM.from_pretrained, name, dtype=dtype, trust_remote_code=trust_remote_code, **extra
-    )
-    return model.eval()
+    return config
 
 
 def _hub_call(spec: str, fn, *args, **kwargs):

@@ -11,15 +11,19 @@ from pathlib import Path
 import torch
 
 from toolkit import __version__
+from toolkit import memory
 from toolkit.engine import Progress, capture_layer_inputs, check_widths, quantize_layers
 from toolkit.formats import awq as awq_format
 from toolkit.formats import compressed_tensors as ct_format
 from toolkit.formats import gptq as gptq_format
-from toolkit.formats.checkpoint import write_checkpoint
+from toolkit.formats.checkpoint import (ShardWriter, atomic_directory, export_config, float_tensors, model_extras,
+                                        packed_tensors, write_checkpoint, write_metadata)
 from toolkit.methods import ERROR_MEASURES, driver_for
-from toolkit.models import arch_spec, decoder_layers, load_model, load_tokenizer
+from toolkit.models import arch_spec, decoder_layers, empty_model, load_model, load_tokenizer
 from toolkit.quant import kv_cache as kv
 from toolkit.quant.configs import ConfigError, WeightQuantConfig
+from toolkit.shards import is_safetensors_dir
+from toolkit.streaming import StreamedLayers, outer_names, outer_tensors, stream_model
 
 FORMATS = {"gptq": gptq_format, "awq": awq_format, "compressed-tensors": ct_format}
 
@@ -52,6 +56,7 @@ class QuantizeResult:
     seconds: float
     peak_rss_mb: float
     errors: dict[str, float] = field(default_factory=dict)
+    memory: memory.MemoryEstimate | None = None
 
 
 def quantize(
@@ -67,6 +72,9 @@ def quantize(
     progress: Progress | None = None,
     kv_cache: str | None = None,
     kv_cache_strategy: str = "tensor",
+    stream: bool = False,
+    offload_activations: bool = False,
+    batch_size: int = 8,
 ) -> QuantizeResult:
     """Quantize ``model_spec`` with ``config`` and write a ``fmt`` checkpoint to ``output`` (atomically).
 
@@ -78,10 +86,18 @@ def quantize(
     and vLLM 0.32 does not load KV scales for them (``--kv-cache-dtype fp8`` then runs with scale 1.0, or
     ``--calculate-kv-scales``): there the scales serve compound's runtime, and the manifest records their type.
 
-    Steps: 1. refuse unsupported format settings and an existing output; 2. load tokenizer and model;
-    3. check group size against every linear; 4. build calibration tokens (methods that need them, KV scales);
-    5. quantize layer by layer, packing each linear as it finishes; 6. calibrate KV-cache scales on the quantized
-    model (if asked); 7. write the checkpoint.
+    stream: read each decoder layer from the safetensors shards of a local model directory when the engine reaches
+    it and write it out quantized as soon as it is done (``toolkit.streaming``): peak memory about one float layer
+    plus the activations and embeddings instead of the whole model. The checkpoint holds the same tensors, one shard
+    per decoder layer plus one for the rest. No KV-cache scales in this mode yet.
+    offload_activations: keep the calibration activations between layers on disk (next to ``output``).
+    batch_size: calibration sequences run through a layer at once (memory for one batch's attention and MLP).
+
+    Steps: 1. refuse unsupported format settings and an existing output; 2. load the tokenizer and the model's
+    shapes; 3. check group size against every linear; 4. estimate memory and refuse a run that cannot fit;
+    5. load the model (whole, or only its embeddings when streamed); 6. build calibration tokens (methods that need
+    them, KV scales); 7. quantize layer by layer, packing each linear as it finishes (streamed: writing each layer);
+    8. calibrate KV-cache scales on the quantized model (if asked); 9. write the checkpoint.
     """
     started = time.perf_counter()
     calibration = calibration or CalibrationSpec()
@@ -92,13 +108,25 @@ def quantize(
     layout = FORMATS[fmt]
     layout.check_supported(config)  # 1
     _check_kv_cache(kv_cache, kv_cache_strategy, fmt)
+    if stream and kv_cache:
+        raise ConfigError("--kv-cache needs the in-memory mode for now: run without --stream")
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
     tokenizer = load_tokenizer(model_spec, trust_remote_code)  # 2
-    model = load_model(model_spec, torch.float32, trust_remote_code)
-    check_widths(model, config)  # 3
+    skeleton = empty_model(model_spec, torch.float32, trust_remote_code)
+    check_widths(skeleton, config)  # 3
+    needs_tokens = config.needs_activations or bool(kv_cache)
+    plan = _memory_plan(skeleton, config, calibration.samples if needs_tokens else 0, calibration.seq_len,  # 4
+                        stream, offload_activations, batch_size, is_safetensors_dir(model_spec))
+    if progress:
+        progress.step(plan.summary())
+    del skeleton
+    if stream:  # 5
+        model, shards = stream_model(model_spec, trust_remote_code)
+    else:
+        model = load_model(model_spec, torch.float32, trust_remote_code)
     tokens, calib_info = None, {}
-    if config.needs_activations or kv_cache:  # 4
+    if needs_tokens:  # 6
         from toolkit.calibration import calibration_batch, fingerprint
 
         if progress:
@@ -113,11 +141,35 @@ def quantize(
     def sink(name, qweight):
         packed[name] = layout.pack(qweight, dtype)
 
-    weight_tokens = tokens if config.needs_activations else None
-    errors = quantize_layers(model, config, driver_for(config.method), weight_tokens, sink, progress=progress)  # 5
+    def run_layers(source=None):  # 7
+        offload_dir = None
+        if offload_activations:
+            offload_dir = output.parent
+            offload_dir.mkdir(parents=True, exist_ok=True)
+        weight_tokens = tokens if config.needs_activations else None
+        return quantize_layers(model, config, driver_for(config.method), weight_tokens, sink, batch_size=batch_size,
+                               progress=progress, source=source, offload_dir=offload_dir)
+
     quantization_config = layout.quantization_config(config)
+
+    def manifest(errors, kv_info=None):
+        return {
+            "compound_version": __version__,
+            "format": fmt,
+            "model": model_spec,
+            "quantization": config.to_dict(),
+            "calibration": calib_info or None,
+            "kv_cache": kv_info,
+            "layer_errors": {"measure": ERROR_MEASURES[config.method], "linears": errors},
+        }
+
+    if stream:
+        errors = _quantize_streamed(output, model, shards, tokenizer, packed, run_layers, dtype, overwrite,
+                                    quantization_config, manifest)
+        return _result(output, started, errors, plan)
+    errors = run_layers()
     kv_tensors, kv_info = {}, None
-    if kv_cache:  # 6
+    if kv_cache:  # 8
         if progress:
             progress.step(f"calibrating {kv_cache} KV-cache scales")
         amax = observe_kv_absmax(model, tokens, per_head=kv_cache_strategy == "attn_head")
@@ -125,19 +177,50 @@ def quantize(
         kv_info = {"dtype": kv_cache, "strategy": kv_cache_strategy, "scale": f"amax / {kv.QMAX[kv_cache]:g}"}
         if fmt == ct_format.NAME:
             quantization_config["kv_cache_scheme"] = kv.kv_cache_scheme(kv_cache, kv_cache_strategy)
-    manifest = {
-        "compound_version": __version__,
-        "format": fmt,
-        "model": model_spec,
-        "quantization": config.to_dict(),
-        "calibration": calib_info or None,
-        "kv_cache": kv_info,
-        "layer_errors": {"measure": ERROR_MEASURES[config.method], "linears": errors},
-    }
-    write_checkpoint(output, model, tokenizer, packed, quantization_config, manifest, dtype, overwrite,  # 7
-                     extra_tensors=kv_tensors)
+    write_checkpoint(output, model, tokenizer, packed, quantization_config, manifest(errors, kv_info), dtype,  # 9
+                     overwrite, extra_tensors=kv_tensors)
+    return _result(output, started, errors, plan)
+
+
+def _memory_plan(skeleton, config, samples, seq_len, stream, offload, batch_size,
+                 streamable) -> memory.MemoryEstimate:
+    """Step 4 of ``quantize``: the estimate of this run, refused (``MemoryLimitError``) when it cannot fit."""
+    options = dict(offload=offload, batch_size=batch_size)
+    plan = memory.estimate(skeleton, config, samples, seq_len, streamed=stream, **options)
+    alternative = None
+    if not stream and streamable:
+        alternative = memory.estimate(skeleton, config, samples, seq_len, streamed=True, **options)
+    memory.check_fits(plan, memory.available_memory(), alternative)
+    return plan
+
+
+def _quantize_streamed(output, model, shards, tokenizer, packed, run_layers, dtype, overwrite, quantization_config,
+                       manifest) -> dict[str, float]:
+    """Steps 7 and 9 of ``quantize`` when streamed: inside the atomic output directory, each decoder layer is written
+    to its own shard (packed linears + its float tensors) as the engine releases it, then each tensor outside the
+    layers to a shard of its own, the index, configs, tokenizer and manifest."""
+    prefix = arch_spec(model).layers
+    with atomic_directory(output, overwrite) as staging:
+        writer = ShardWriter(staging, len(decoder_layers(model)) + len(outer_names(model)))
+
+        def save_layer(index, layer):
+            name = f"{prefix}.{index}"
+            quantized = {k: packed.pop(k) for k in [k for k in packed if k.startswith(name + ".")]}
+            state = {f"{name}.{k}": t for k, t in layer.state_dict().items()}
+            writer.write({**float_tensors(state, set(quantized), dtype), **packed_tensors(quantized)})
+
+        errors = run_layers(StreamedLayers(model, shards, save_layer))
+        for name, tensor in outer_tensors(model, shards):  # one shard each: one float tensor in memory at a time
+            writer.write(float_tensors({name: tensor}, set(), dtype))
+        writer.write_index()
+        write_metadata(staging, export_config(model, dtype, quantization_config), manifest(errors),
+                       model_extras(model, tokenizer))
+    return errors
+
+
+def _result(output, started, errors, plan) -> QuantizeResult:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return QuantizeResult(output, time.perf_counter() - started, peak, errors)
+    return QuantizeResult(output, time.perf_counter() - started, peak, errors, plan)
 
 
 def observe_kv_absmax(

@@ -55,13 +55,23 @@ def atomic_directory(output: Path, overwrite: bool = False) -> Iterator[Path]:
 def float_state_dict(model: nn.Module, exclude: set[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The model's tensors not replaced by quantized ones, cast to ``dtype``; a tied ``lm_head`` is not repeated."""
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    state = {name: t for name, t in model.state_dict().items() if not (tied and name == "lm_head.weight")}
+    return float_tensors(state, exclude, dtype)
+
+
+def float_tensors(state: dict[str, torch.Tensor], exclude: set[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``state`` (full names) less the tensors of the modules ``exclude``, floating ones cast to ``dtype``."""
     out = {}
-    for name, tensor in model.state_dict().items():
-        module = name.rsplit(".", 1)[0]
-        if module in exclude or (tied and name == "lm_head.weight"):
+    for name, tensor in state.items():
+        if name.rsplit(".", 1)[0] in exclude:
             continue
         out[name] = tensor.detach().to(dtype).contiguous() if tensor.is_floating_point() else tensor.contiguous()
     return out
+
+
+def packed_tensors(quantized: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``{module: {suffix: tensor}}`` in a format's layout → ``{module.suffix: tensor}``."""
+    return {f"{module}.{suffix}": t.contiguous() for module, parts in quantized.items() for suffix, t in parts.items()}
 
 
 def export_config(model: nn.Module, dtype: torch.dtype, quantization_config: dict | None) -> dict:
@@ -107,17 +117,22 @@ def write_checkpoint(
     extra_tensors: further tensors by full name, written as given (e.g. the KV-cache scales ``…self_attn.k_scale``).
     """
     tensors = float_state_dict(model, set(quantized), dtype)
-    for module, parts in quantized.items():
-        tensors.update({f"{module}.{suffix}": t.contiguous() for suffix, t in parts.items()})
+    tensors.update(packed_tensors(quantized))
     tensors.update({name: t.contiguous() for name, t in (extra_tensors or {}).items()})
+    config = export_config(model, dtype, quantization_config)
+    return write_directory(output, tensors, config, manifest, model_extras(model, tokenizer), overwrite,
+                           max_shard_size)
+
+
+def model_extras(model: nn.Module, tokenizer) -> Callable[[Path], None]:
+    """``save_extras`` for a model's directory: its generation config (when it has one) and its tokenizer."""
 
     def save_extras(staging: Path) -> None:
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
 
-    config = export_config(model, dtype, quantization_config)
-    return write_directory(output, tensors, config, manifest, save_extras, overwrite, max_shard_size)
+    return save_extras
 
 
 def write_directory(
@@ -134,14 +149,48 @@ def write_directory(
     the SHA-256 of every file, atomically."""
     with atomic_directory(Path(output), overwrite) as staging:
         save_tensors(staging, tensors, max_shard_size)
-        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        if config.get("quantization_config") is not None:
-            (staging / "quantize_config.json").write_text(json.dumps(config["quantization_config"], indent=2) + "\n")
-        if save_extras is not None:
-            save_extras(staging)
-        files = {p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file()}
-        (staging / MANIFEST).write_text(json.dumps({**manifest, "files": files}, indent=2) + "\n")
+        write_metadata(staging, config, manifest, save_extras)
     return Path(output)
+
+
+def write_metadata(
+    staging: Path, config: dict, manifest: dict, save_extras: Callable[[Path], None] | None = None
+) -> None:
+    """Into a directory whose tensors are written: ``config.json`` (its ``quantization_config`` also as
+    ``quantize_config.json``), whatever ``save_extras(staging)`` adds, then the manifest with every file's SHA-256."""
+    (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if config.get("quantization_config") is not None:
+        (staging / "quantize_config.json").write_text(json.dumps(config["quantization_config"], indent=2) + "\n")
+    if save_extras is not None:
+        save_extras(staging)
+    files = {p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file()}
+    (staging / MANIFEST).write_text(json.dumps({**manifest, "files": files}, indent=2) + "\n")
+
+
+class ShardWriter:
+    """Writes a checkpoint's tensors one shard at a time as they become ready (``model-0000i-of-0000n.safetensors``,
+    ``shards`` in all, known up front), then ``model.safetensors.index.json``: how a streamed run writes each
+    quantized layer and frees it."""
+
+    def __init__(self, directory: Path, shards: int):
+        self.directory, self.shards = Path(directory), shards
+        self.weight_map: dict[str, str] = {}
+        self.written = self.total_size = 0
+
+    def write(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.written == self.shards:
+            raise RuntimeError(f"all {self.shards} shards are written already")
+        self.written += 1
+        filename = f"model-{self.written:05d}-of-{self.shards:05d}.safetensors"
+        save_file(tensors, self.directory / filename, metadata={"format": "pt"})
+        self.weight_map.update(dict.fromkeys(tensors, filename))
+        self.total_size += sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def write_index(self) -> None:
+        if self.written != self.shards:
+            raise RuntimeError(f"{self.written} of {self.shards} shards written; the index would name missing files")
+        index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(self.weight_map.items()))}
+        (self.directory / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def save_tensors(

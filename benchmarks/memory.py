@@ -1,0 +1,152 @@
+"""Peak memory of ``compound quantize`` streamed (``--stream``) and in memory, on random Llama models made here.
+
+The models are random-initialised Llama architectures written as bfloat16 safetensors shards (one per decoder layer)
+under ``benchmarks/.cache/`` (made on first use, never shipped), with SmolLM2's tokenizer (so vocab 49152):
+
+| size  | hidden | intermediate | layers | heads / KV heads | parameters | bf16 on disk |
+|-------|--------|--------------|--------|------------------|------------|--------------|
+| small | 1024   | 2816         | 16     | 16 / 4           | 0.28 B     | 0.56 GB      |
+| 3b    | 3072   | 8192         | 28     | 24 / 8           | 3.1 B      | 6.2 GB       |
+
+Each run is ``compound quantize --method gptq --bits 4 --group-size 128`` in a subprocess; its peak RSS comes from
+``os.wait4`` (the kernel's maximum resident set of that process), its wall time from the clock. The output is then
+loaded (``toolkit.runtime.load.load_quantized``) and decodes a few greedy tokens through ``toolkit.decode``. GPTQ on
+2 CPU cores with the default 128 × 512 calibration tokens would take hours on the 3B model; the table says what
+calibration each row used.
+
+    python benchmarks/memory.py [--size small|3b] [--modes stream,memory] [--samples 8] [--seq-len 512]
+                                [--batch-size 8] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from report import cpu_name, markdown_table, update_section  # noqa: E402
+
+CACHE = ROOT / "benchmarks" / ".cache" / "memory"
+SIZES = {
+    "small": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
+                  num_key_value_heads=4),
+    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+               num_key_value_heads=8),
+}
+VOCAB = 49152  # SmolLM2's tokenizer, so calibration text tokenizes into ids the embeddings have
+
+
+def make_model(size: str) -> Path:
+    """The random ``size`` model's directory, written shard by shard (one layer in memory at a time) if missing."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from toolkit.models import embedded_gguf
+
+    path = CACHE / size
+    if (path / "config.json").is_file():
+        return path
+    staging = path.with_name(size + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    config = LlamaConfig(vocab_size=VOCAB, tie_word_embeddings=False, dtype="bfloat16", **SIZES[size])
+    with init_empty_weights():
+        shapes = {name: t.shape for name, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    files = {name: f"layer-{name.split('.')[2]}.safetensors" if ".layers." in name else "outer.safetensors"
+             for name in shapes}
+    generator = torch.Generator().manual_seed(0)
+    from safetensors.torch import save_file
+
+    for filename in sorted(set(files.values())):
+        tensors = {}
+        for name in (n for n in shapes if files[n] == filename):
+            tensor = torch.randn(shapes[name], generator=generator) * 0.02 if len(shapes[name]) > 1 else \
+                torch.ones(shapes[name])
+            tensors[name] = tensor.to(torch.bfloat16)
+        save_file(tensors, staging / filename, metadata={"format": "pt"})
+    total = sum(2 * torch.Size(s).numel() for s in shapes.values())
+    (staging / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": files}, indent=1))
+    config.save_pretrained(staging)
+    gguf = embedded_gguf("smollm2-135m")
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(staging)
+    os.replace(staging, path)
+    return path
+
+
+def run_quantize(model: Path, output: Path, stream: bool, samples: int, seq_len: int, batch_size: int) -> dict:
+    """Quantize in a subprocess; its peak RSS (MiB), wall time (s) and the memory estimate it printed."""
+    command = ["compound", "quantize", "--model", str(model), "-o", str(output), "--method", "gptq", "--bits", "4",
+               "--group-size", "128", "--samples", str(samples), "--seq-len", str(seq_len), "--overwrite",
+               "--batch-size", str(batch_size),
+               "--stream" if stream else "--no-stream"]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "COLUMNS": "400"}
+    started = time.perf_counter()
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = child.stdout.read()
+    _, status, usage = os.wait4(child.pid, 0)
+    seconds = time.perf_counter() - started
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{log[-3000:]}")
+    estimate = re.search(r"memory estimate \([a-z ]+\): ([\d.]+) GiB", log)
+    return {"peak_mib": usage.ru_maxrss / 1024, "seconds": seconds, "estimate": estimate.group(1) if estimate else "?"}
+
+
+def decode_check(output: Path, new_tokens: int = 8) -> str:
+    """Load the checkpoint and decode ``new_tokens`` greedy tokens through compound's loop: 'ok, N tok/s'."""
+    from toolkit.decode.generate import generate
+    from toolkit.decode.model import Decoder
+    from toolkit.runtime.load import load_quantized
+
+    model, tokenizer = load_quantized(output)
+    prompt = tokenizer("The capital of France is")["input_ids"]
+    with torch.no_grad():
+        tokens, stats = generate(Decoder.from_model(model, len(prompt) + new_tokens), prompt, new_tokens)
+    assert tokens.shape[0] == len(prompt) + new_tokens
+    return f"ok, {stats.new_tokens / stats.total_s:.1f} tok/s"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", choices=SIZES, default="small")
+    parser.add_argument("--modes", default="stream,memory", help="comma-separated: stream, memory")
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=8, help="calibration sequences per layer forward")
+    parser.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
+    args = parser.parse_args()
+
+    model = make_model(args.size)
+    disk = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    rows = []
+    for mode in args.modes.split(","):
+        output = CACHE / f"{args.size}-gptq-{mode}"
+        run = run_quantize(model, output, mode == "stream", args.samples, args.seq_len, args.batch_size)
+        rows.append([args.size, f"{disk / 1e9:.2f} GB", mode, f"{args.samples}×{args.seq_len}, batch {args.batch_size}",
+                     f"{run['peak_mib']:.0f} MiB", f"{run['peak_mib'] * 2**20 / disk:.2f}", f"{run['seconds']:.0f} s",
+                     decode_check(output), run["estimate"]])
+        print(markdown_table(COLUMNS, rows[-1:]), flush=True)
+    body = (f"`python benchmarks/memory.py --size {args.size} --samples {args.samples} --seq-len {args.seq_len} "
+            f"--batch-size {args.batch_size}` "
+            f"on {cpu_name()}, OMP_NUM_THREADS=1. GPTQ W4 g128 of a random Llama written as bf16 shards; peak RSS "
+            f"of the quantize process (os.wait4).\n\n" + markdown_table(COLUMNS, rows))
+    print(body)
+    if not args.no_write:
+        update_section("Quantizing models larger than memory", body)
+
+
+COLUMNS = ["model", "bf16 on disk", "mode", "calibration", "peak RSS", "RSS / disk", "wall time", "decode check",
+           "estimate printed (GiB)"]
+
+if __name__ == "__main__":
+    main()

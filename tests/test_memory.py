@@ -1,0 +1,63 @@
+import pytest
+import torch
+from accelerate import init_empty_weights
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from toolkit import memory
+from toolkit.quant.configs import GPTQConfig, RTNConfig
+
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def skeleton():
+    """A Llama with known shapes on the meta device: hidden 64, intermediate 128, 4 heads / 2 KV heads (head_dim 16),
+    2 layers, vocab 256, untied. Per layer: q, o 64×64; k, v 32×64; gate, up 128×64; down 64×128; 2 norms of 64:
+    36992 values. Outside: embeddings 16384 + final norm 64; LM head 16384. Whole model: 106816."""
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False)
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def test_streamed_gptq_estimate_by_hand(skeleton):
+    got = memory.estimate(skeleton, GPTQConfig(group_size=32), 16, 32, streamed=True)
+    # packed linears (4 bits + 6 bytes per group of 32): q, o 2816; k, v 1408; gate, up, down 5632 → 25344 per layer
+    assert got.parts == {
+        "runtime": 512 * MiB,
+        "float layer": 36992 * 4,
+        "embeddings": (16384 + 64) * 4,
+        "activations": 2 * 16 * 32 * 64 * 4,  # inputs and outputs of a layer: samples × seq_len × hidden, float32
+        "forward": 8 * 32 * (3 * 128 + 2 * 4 * 32) * 4 + 3 * 8192 * 4,  # a batch's MLP ×3, scores ×2; a linear ×3
+        "hessians": 5 * 128**2 * 4,  # widest input (down_proj, 128)
+        "output": 2 * 25344,
+    }
+    assert got.total == sum(got.parts.values())
+
+
+def test_in_memory_and_offloaded_estimates(skeleton):
+    in_memory = memory.estimate(skeleton, RTNConfig(group_size=32), 0, 32, streamed=False)
+    assert in_memory.parts == {"runtime": 512 * MiB, "float model": 106816 * 4, "output": 2 * 2 * 25344}
+    offloaded = memory.estimate(skeleton, GPTQConfig(group_size=32), 128, 32, streamed=True, offload=True)
+    assert offloaded.parts["activations"] == 2 * 8 * 32 * 64 * 4  # one batch of 8
+
+
+def test_refusal_names_the_way_out(skeleton):
+    config = GPTQConfig(group_size=32)
+    in_memory = memory.estimate(skeleton, config, 16, 32, streamed=False)
+    streamed = memory.estimate(skeleton, config, 16, 32, streamed=True)
+    between = (in_memory.total + streamed.total) // 2
+    with pytest.raises(memory.MemoryLimitError, match=r"needs about 0\.5 GiB \(in memory\) .* try --stream"):
+        memory.check_fits(in_memory, between, streamed)
+    memory.check_fits(streamed, between, None)
+    with pytest.raises(memory.MemoryLimitError, match=r"fewer --samples \(the activations take 0\.0 GiB\), or "
+                                                      r"--offload-activations"):
+        memory.check_fits(streamed, MiB, None)
+    memory.check_fits(in_memory, None, None)  # unknown: no refusal
+
+
+def test_available_memory_reads_meminfo(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   20000000 kB\n")
+    assert memory.available_memory(meminfo) == 20000000 * 1024
+    assert memory.available_memory(tmp_path / "missing") is None

@@ -1,0 +1,136 @@
+"""How much memory a quantize run needs, estimated before it starts, and a refusal when that is more than there is.
+
+Counted from the model's shapes (a meta-device skeleton is enough), float32 as the engine computes:
+
+| part | streamed (``--stream``) | in memory |
+|---|---|---|
+| runtime | Python, torch, transformers, tokenizer (~0.5 GiB measured) | same |
+| float weights | one decoder layer | the whole model |
+| embeddings | embeddings + final norm (the LM head is read only when written) | (in the model) |
+| activations | samples × seq_len × hidden, twice (a layer's inputs and outputs); one batch with offload | same |
+| forward | one batch: 3 MLP-wide tensors, 2 attention-score tensors, and 3 copies of the largest linear | same |
+| statistics | GPTQ: 5 × K² for the widest input K (the Hessian, its copy, Cholesky factor, inverse, temporaries: fitted to a 3B run's peak at K = 8192); AWQ: max_tokens × every input | same |
+| output | one packed layer, twice (tensors and safetensors' serialized bytes) | the whole packed model, twice |
+
+An estimate, not a measurement: it aims a little high, so that a refusal is never a close call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch import nn
+
+from toolkit.models import decoder_layers, layer_linears
+from toolkit.quant.configs import ConfigError, WeightQuantConfig
+
+GiB = 2**30
+RUNTIME = GiB // 2
+FLOAT = 4  # bytes per float32 value
+
+
+class MemoryLimitError(ConfigError):
+    """A run whose estimated memory exceeds what the machine has available."""
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes by part (in the order of the table above); ``total`` is their sum."""
+
+    streamed: bool
+    offload: bool = False
+    parts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def summary(self) -> str:
+        """One line: the mode, the total and every part, in GiB."""
+        mode = "streamed" if self.streamed else "in memory"
+        parts = ", ".join(f"{name} {size / GiB:.2f}" for name, size in self.parts.items())
+        return f"memory estimate ({mode}): {self.total / GiB:.2f} GiB = {parts}"
+
+
+def estimate(
+    model: nn.Module,
+    config: WeightQuantConfig,
+    samples: int,
+    seq_len: int,
+    *,
+    streamed: bool,
+    offload: bool = False,
+    batch_size: int = 8,
+) -> MemoryEstimate:
+    """The memory a quantize run of ``model`` (its shapes; weights may be on the meta device) needs, calibrating on
+    ``samples`` sequences of ``seq_len`` tokens (0 samples: a method that needs no activations)."""
+    layers = decoder_layers(model)
+    layer_values = max(sum(p.numel() for p in layer.parameters()) for layer in layers)
+    model_values = sum(p.numel() for p in model.parameters())
+    lm_head = getattr(model, "lm_head", None)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    head_values = 0 if lm_head is None or tied else lm_head.weight.numel()
+    outer_values = model_values - sum(p.numel() for p in layers.parameters()) - head_values
+    linears = list(layer_linears(layers[0]).values())
+    hidden = model.config.hidden_size
+    batch = min(batch_size, samples)
+
+    parts = {"runtime": RUNTIME}
+    if streamed:
+        parts["float layer"] = layer_values * FLOAT
+        parts["embeddings"] = outer_values * FLOAT
+    else:
+        parts["float model"] = model_values * FLOAT
+    if samples:
+        held = batch if offload else samples
+        parts["activations"] = 2 * held * seq_len * hidden * FLOAT
+        heads = getattr(model.config, "num_attention_heads", 1)
+        per_token = 3 * max(m.out_features for m in linears) + 2 * heads * seq_len  # MLP, attention scores
+        parts["forward"] = batch * seq_len * per_token * FLOAT + 3 * max(m.weight.numel() for m in linears) * FLOAT
+    if config.method in ("gptq", "awq+gptq"):
+        parts["hessians"] = 5 * max(m.in_features for m in linears) ** 2 * FLOAT
+    if config.method in ("awq", "awq+gptq"):
+        parts["awq inputs"] = config.max_tokens * sum(m.in_features for m in linears) * FLOAT
+    packed_layer = sum(_packed_bytes(m.weight.numel(), config) for m in linears)
+    parts["output"] = 2 * packed_layer * (1 if streamed else len(layers))
+    return MemoryEstimate(streamed, offload, parts)
+
+
+def _packed_bytes(values: int, config: WeightQuantConfig) -> int:
+    """Bytes of one packed linear: ``bits`` per weight plus a 16-bit scale and a zero point per group."""
+    group = values if config.group_size == -1 else config.group_size
+    return values * config.bits // 8 + (values // group) * (2 + config.bits)
+
+
+def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """``MemAvailable`` in bytes (what the kernel can give without swapping), or None where it cannot be read."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_fits(needed: MemoryEstimate, available: int | None, streamed_alternative: MemoryEstimate | None) -> None:
+    """Refuse a run whose estimate exceeds ``available`` bytes, saying what would make it fit: ``--stream`` (when
+    ``streamed_alternative``, the same run streamed, would fit), fewer ``--samples``, ``--offload-activations``."""
+    if available is None or needed.total <= available:
+        return
+    mode = "streamed" if needed.streamed else "in memory"
+    ways = []
+    if streamed_alternative is not None and streamed_alternative.total <= available:
+        ways.append(f"--stream (about {streamed_alternative.total / GiB:.1f} GiB)")
+    activations = needed.parts.get("activations", 0)
+    if activations and not needed.offload:
+        ways.append(f"fewer --samples (the activations take {activations / GiB:.1f} GiB)")
+        ways.append("--offload-activations (activations on disk)")
+    if not needed.streamed and not ways:
+        ways.append("--stream from a local safetensors directory")
+    ways = ways or ["a machine with more memory"]
+    raise MemoryLimitError(
+        f"this run needs about {needed.total / GiB:.1f} GiB ({mode}) but {available / GiB:.1f} GiB is available "
+        f"({needed.summary()}); try {', or '.join(ways)}"
+    )
