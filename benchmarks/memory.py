@@ -8,14 +8,15 @@ under ``benchmarks/.cache/`` (made on first use, never shipped), with SmolLM2's 
 | small | 1024   | 2816         | 16     | 16 / 4           | 0.28 B     | 0.56 GB      |
 | 3b    | 3072   | 8192         | 28     | 24 / 8           | 3.1 B      | 6.2 GB       |
 
-Each run is ``compound quantize --method gptq --bits 4 --group-size 128`` in a subprocess; its peak RSS comes from
-``os.wait4`` (the kernel's maximum resident set of that process), its wall time from the clock. The output is then
+Each run is ``compound quantize --method gptq --bits 4 --group-size 128`` (or ``--method rtn``) in a subprocess; its
+peak RSS is the one it reports (its own ``VmHWM``: ``os.wait4``'s ``ru_maxrss`` would include this process's peak,
+which Linux carries into a child across fork + exec), its wall time from the clock. The output is then
 loaded (``toolkit.runtime.load.load_quantized``) and decodes a few greedy tokens through ``toolkit.decode``. GPTQ on
 2 CPU cores with the default 128 × 512 calibration tokens would take hours on the 3B model; the table says what
 calibration each row used.
 
-    python benchmarks/memory.py [--size small|3b] [--modes stream,memory] [--samples 8] [--seq-len 512]
-                                [--batch-size 8] [--no-write]
+    python benchmarks/memory.py [--size small|3b] [--method gptq|rtn] [--modes stream,memory] [--samples 8]
+                                [--seq-len 512] [--batch-size 8] [--no-write]
 """
 
 from __future__ import annotations
@@ -84,9 +85,10 @@ def make_model(size: str) -> Path:
     return path
 
 
-def run_quantize(model: Path, output: Path, stream: bool, samples: int, seq_len: int, batch_size: int) -> dict:
+def run_quantize(model: Path, output: Path, method: str, stream: bool, samples: int, seq_len: int,
+                 batch_size: int) -> dict:
     """Quantize in a subprocess; its peak RSS (MiB), wall time (s) and the memory estimate it printed."""
-    command = ["compound", "quantize", "--model", str(model), "-o", str(output), "--method", "gptq", "--bits", "4",
+    command = ["compound", "quantize", "--model", str(model), "-o", str(output), "--method", method, "--bits", "4",
                "--group-size", "128", "--samples", str(samples), "--seq-len", str(seq_len), "--overwrite",
                "--batch-size", str(batch_size),
                "--stream" if stream else "--no-stream"]
@@ -94,12 +96,12 @@ def run_quantize(model: Path, output: Path, stream: bool, samples: int, seq_len:
     started = time.perf_counter()
     child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = child.stdout.read()
-    _, status, usage = os.wait4(child.pid, 0)
-    seconds = time.perf_counter() - started
-    if os.waitstatus_to_exitcode(status) != 0:
+    if child.wait() != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{log[-3000:]}")
+    seconds = time.perf_counter() - started
     estimate = re.search(r"memory estimate \([a-z ]+\): ([\d.]+) GiB", log)
-    return {"peak_mib": usage.ru_maxrss / 1024, "seconds": seconds, "estimate": estimate.group(1) if estimate else "?"}
+    peak = re.search(r"peak memory \(RSS\)\D*(\d+) MiB", log)  # the child's VmHWM: ru_maxrss would carry ours
+    return {"peak_mib": float(peak.group(1)), "seconds": seconds, "estimate": estimate.group(1) if estimate else "?"}
 
 
 def decode_check(output: Path, new_tokens: int = 8) -> str:
@@ -119,6 +121,7 @@ def decode_check(output: Path, new_tokens: int = 8) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", choices=SIZES, default="small")
+    parser.add_argument("--method", choices=("gptq", "rtn"), default="gptq")
     parser.add_argument("--modes", default="stream,memory", help="comma-separated: stream, memory")
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -130,16 +133,16 @@ def main() -> None:
     disk = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     rows = []
     for mode in args.modes.split(","):
-        output = CACHE / f"{args.size}-gptq-{mode}"
-        run = run_quantize(model, output, mode == "stream", args.samples, args.seq_len, args.batch_size)
+        output = CACHE / f"{args.size}-{args.method}-{mode}"
+        run = run_quantize(model, output, args.method, mode == "stream", args.samples, args.seq_len, args.batch_size)
         rows.append([args.size, f"{disk / 1e9:.2f} GB", mode, f"{args.samples}×{args.seq_len}, batch {args.batch_size}",
                      f"{run['peak_mib']:.0f} MiB", f"{run['peak_mib'] * 2**20 / disk:.2f}", f"{run['seconds']:.0f} s",
                      decode_check(output), run["estimate"]])
         print(markdown_table(COLUMNS, rows[-1:]), flush=True)
     body = (f"`python benchmarks/memory.py --size {args.size} --samples {args.samples} --seq-len {args.seq_len} "
             f"--batch-size {args.batch_size}` "
-            f"on {cpu_name()}, OMP_NUM_THREADS=1. GPTQ W4 g128 of a random Llama written as bf16 shards; peak RSS "
-            f"of the quantize process (os.wait4).\n\n" + markdown_table(COLUMNS, rows))
+            f"on {cpu_name()}, OMP_NUM_THREADS=1. {args.method.upper()} W4 g128 of a random Llama written as bf16 "
+            f"shards; peak RSS as the quantize process reports it (VmHWM).\n\n" + markdown_table(COLUMNS, rows))
     print(body)
     if not args.no_write:
         update_section("Quantizing models larger than memory", body)

@@ -219,8 +219,18 @@ def _quantize_streamed(output, model, shards, tokenizer, packed, run_layers, dty
 
 
 def _result(output, started, errors, plan) -> QuantizeResult:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return QuantizeResult(output, time.perf_counter() - started, peak, errors, plan)
+    return QuantizeResult(output, time.perf_counter() - started, peak_rss_mb(), errors, plan)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MiB: ``VmHWM``, which belongs to its own address space. (``ru_maxrss``
+    is the fallback where /proc is missing: Linux carries a parent's peak into it across fork + exec, so a run
+    started from a large process would report that process's peak.)"""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(status.split("VmHWM:")[1].split()[0]) / 1024
+    except (OSError, IndexError, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def observe_kv_absmax(
