@@ -80,9 +80,9 @@ def _measure_perplexity(spec: str, dataset: str, windows: int, seq_len: int):
 
     from toolkit.calibration import eval_windows
     from toolkit.evaluate.perplexity import perplexity
-    from toolkit.heads.pipeline import load_target
+    from toolkit.runtime.load import load_model_or_checkpoint
 
-    model, tokenizer = load_target(spec, torch.float32)
+    model, tokenizer = load_model_or_checkpoint(spec, torch.float32)
     tokens = eval_windows(tokenizer, dataset, windows, seq_len)
     with _progress() as bar:
         task = bar.add_task(f"perplexity of {spec}", total=windows)
@@ -466,13 +466,13 @@ def decode(
     import torch
 
     from toolkit.decode import DecodeError, Decoder, SamplingConfig, generate
-    from toolkit.heads.pipeline import load_target
+    from toolkit.runtime.load import load_model_or_checkpoint
 
     if kv_cache not in ("float", "int8"):
         _fail(ValueError(f"--kv-cache must be float or int8, got {kv_cache!r}"))
     try:
         sampling = SamplingConfig(temperature, seed=seed) if temperature > 0 else None
-        loaded, tokenizer = load_target(model, torch.float32)
+        loaded, tokenizer = load_model_or_checkpoint(model, torch.float32)
         ids = _chat_prompt(tokenizer, prompt)
         decoder = Decoder.from_model(loaded, len(ids) + max_new_tokens, torch.int8 if kv_cache == "int8" else None)
         out, stats = generate(decoder, ids, max_new_tokens, sampling, eos_token_id=tokenizer.eos_token_id)

@@ -202,12 +202,11 @@ def quantize_layers(
     source: loads and releases each layer's weights (default: ``InMemory``, the model holds them all).
     offload_dir: keep the activations between layers in a temporary directory made there, not in memory.
     """
-    with contextlib.ExitStack() as cleanup:
-        scratch = None
-        if offload_dir is not None:
-            scratch = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix=".compound-activations-",
-                                                                              dir=offload_dir)))
-        return _quantize_layers(model, config, driver, tokens, sink, batch_size, device, progress, source, scratch)
+    scratch = (tempfile.TemporaryDirectory(prefix=".compound-activations-", dir=offload_dir) if offload_dir is not None
+               else contextlib.nullcontext())
+    with scratch as directory:
+        return _quantize_layers(model, config, driver, tokens, sink, batch_size, device, progress, source,
+                                Path(directory) if directory else None)
 
 
 def _quantize_layers(model, config, driver, tokens, sink, batch_size, device, progress, source, scratch):

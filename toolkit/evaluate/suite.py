@@ -42,16 +42,16 @@ def evaluate(model: str, output: Path | str | None = None, *, base: str | None =
     windows × seq_len: held-out tokens per slice. generation_sets: which prompt sets to run (empty: none).
     head_prompts × head_tokens: held-out prompts per slice and tokens decoded for ``heads``.
     """
-    from toolkit.heads.pipeline import load_target
+    from toolkit.runtime.load import load_model_or_checkpoint
 
     if output is not None and Path(output).exists() and not overwrite:
         raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
     started = time.perf_counter()
     say(f"loading {model}" + (f" and {base}" if base else ""))
-    target, tokenizer = load_target(model, torch.float32)  # 1
+    target, tokenizer = load_model_or_checkpoint(model, torch.float32)  # 1
     reference = None
     if base:
-        reference, base_tokenizer = load_target(base, torch.float32)
+        reference, base_tokenizer = load_model_or_checkpoint(base, torch.float32)
         if base_tokenizer.get_vocab() != tokenizer.get_vocab():
             raise ModelError(f"{model} and {base} have different tokenizers: their next-token distributions "
                              "cannot be compared")

@@ -228,9 +228,9 @@ def validate_heads(target_spec: str, heads_dir, prompts: int = 8, max_new_tokens
     near-tie can round differently in a tree forward than in a one-token forward, which float32 makes vanishingly
     rare. skip: held-out prompts left out at the start (``train-heads`` selects checkpoints on the first 4).
     """
-    from toolkit.heads.pipeline import load_target
+    from toolkit.runtime.load import load_model_or_checkpoint
 
-    target, tokenizer = load_target(target_spec, dtype)
+    target, tokenizer = load_model_or_checkpoint(target_spec, dtype)
     eagle = is_eagle_dir(heads_dir)
     if eagle:
         from toolkit.heads.eagle_export import load_eagle

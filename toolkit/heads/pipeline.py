@@ -42,6 +42,7 @@ from toolkit.heads.hidden_states import (HiddenStateDataset, OnlineHiddenStates,
                                          INDEX)
 from toolkit.heads.medusa import MedusaHeads, medusa_loss
 from toolkit.heads.train import TrainConfig, train
+from toolkit.runtime.load import load_model_or_checkpoint
 
 HEADS = ("medusa", "eagle", "eagle3")
 SELECT_MODES = ("tree", "chain")
@@ -148,17 +149,6 @@ def target_identity(spec: str) -> dict:
     return {"name": spec, "sha256": None, "hashed": None}
 
 
-def load_target(spec: str, dtype: torch.dtype):
-    """(model, tokenizer): a compound checkpoint through the runtime loader, anything else as a float model."""
-    from toolkit.models import load_model, load_tokenizer
-    from toolkit.runtime.load import load_quantized
-
-    config = Path(spec) / "config.json"
-    if config.is_file() and "quantization_config" in config.read_text():
-        return load_quantized(spec, dtype)
-    return load_model(spec, dtype), load_tokenizer(spec)
-
-
 def _examples(job: HeadsJob, model, tokenizer):
     from toolkit.calibration.render import train_records
 
@@ -185,7 +175,7 @@ def prepare(job: HeadsJob, console: Console, dry_run: bool = False):
         check_trainable(examples)
         show_example(console, tokenizer, examples[0])
         return examples, None, None
-    model, tokenizer = load_target(job.model, getattr(torch, job.dtype))
+    model, tokenizer = load_model_or_checkpoint(job.model, getattr(torch, job.dtype))
     examples = _examples(job, model, tokenizer)
     tokens = sum(len(e.input_ids) for e in examples)
     hidden_size = model.get_input_embeddings().weight.shape[1]
@@ -226,7 +216,7 @@ def train_heads(job: HeadsJob, console: Console, dry_run: bool = False) -> Heads
         return HeadsResult(None, len(examples), tokens, trained)
     prepared = time.perf_counter()
 
-    target, tokenizer = load_target(job.model, torch.float32)
+    target, tokenizer = load_model_or_checkpoint(job.model, torch.float32)
     torch.manual_seed(job.train.seed)
     heads, loss_fn, count_fn, measure = _head_for(job, target, examples, console if rank == 0 else None)
     prompts = acceptance.heldout_prompts(tokenizer, job.eval_prompts)

@@ -85,6 +85,16 @@ def load_quantized(directory: Path | str, dtype: torch.dtype = torch.float32,
     return model.eval(), tokenizer
 
 
+def load_model_or_checkpoint(spec: str, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer): a compound checkpoint through ``load_quantized``, anything else as a float model."""
+    from toolkit.models import load_model, load_tokenizer
+
+    config = Path(spec) / "config.json"
+    if config.is_file() and "quantization_config" in config.read_text():
+        return load_quantized(spec, dtype)
+    return load_model(spec, dtype), load_tokenizer(spec)
+
+
 def read_manifest(directory: Path | str) -> dict:
     """The ``compound.json`` manifest of a checkpoint (empty if absent)."""
     path = Path(directory) / MANIFEST
