@@ -20,7 +20,8 @@ from toolkit.kernels import reference as R  # noqa: E402
 from toolkit.quant.configs import RTNConfig  # noqa: E402
 from toolkit.quantize import quantize  # noqa: E402
 from toolkit.runtime.load import CheckpointError, load_quantized  # noqa: E402
-from toolkit.runtime.quant_linear import CPU_INT4_MAX_ROWS, QuantLinear, set_backend  # noqa: E402
+from toolkit.runtime.quant_linear import (  # noqa: E402
+    CPU_INT4_MAX_ROWS, QuantLinear, SharedInputLinears, set_backend)
 
 FORMATS = {  # format → whether its weights are symmetric (each layout's own zero handling gets exercised)
     "gptq": True,
@@ -140,3 +141,36 @@ def test_one_flipped_bit_breaks_the_quarter_step_check(checkpoints):
     m.qweight[0, 0] ^= 1  # code of input row 0, output column 0 changes by ±1
     error = (_int4_weight(m) - expected).abs() / step
     assert error[0, 0] > 0.9 and error.max() > 0.25
+
+
+def _shared_input(model, names):
+    linears = _linears(model)
+    return [linears[f"model.layers.0.{n}"] for n in names]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("names", [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                                   ("mlp.gate_proj", "mlp.up_proj")])
+def test_shared_input_linears_fuse_into_one_int4_matmul_with_the_same_outputs(checkpoints, fmt, names):
+    model, _ = load_quantized(checkpoints[fmt], backend="cpu-int4")
+    linears = _shared_input(model, names)
+    for m in linears:  # biases (Qwen2's q/k/v) are concatenated too
+        m.bias = torch.randn(m.out_features, generator=torch.Generator().manual_seed(m.out_features))
+    fused = SharedInputLinears(linears)
+    x = torch.randn(3, linears[0].in_features, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    got = fused(x)
+    assert fused._int4 is not None and all(m._int4 is None for m in linears)  # one packed weight, not one each
+    for y, m in zip(got, linears):
+        assert y.shape == (3, m.out_features)
+        assert R.max_relative_error(y.float(), m(x).float()) < 1e-2  # the same bf16 op, rows in another order
+
+
+def test_shared_input_linears_run_one_call_each_off_the_int4_path(checkpoints):
+    model, _ = load_quantized(checkpoints["gptq"], backend="reference")
+    linears = _shared_input(model, ("mlp.gate_proj", "mlp.up_proj"))
+    fused = SharedInputLinears(linears)
+    x = torch.randn(2, linears[0].in_features)
+    assert all(torch.equal(y, m(x)) for y, m in zip(fused(x), linears)) and fused._int4 is None
+    linears[1].g_idx = linears[1].g_idx.flip(0)  # act-order with another column order: no shared packing
+    set_backend(model, "cpu-int4")
+    assert all(torch.equal(y, m(x)) for y, m in zip(fused(x), linears)) and fused._int4 is None

@@ -50,7 +50,7 @@ def probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
 def sample(logits: torch.Tensor, sampling: SamplingConfig | None, generator: torch.Generator | None) -> int:
     """One token from logits [vocab]: the argmax when ``sampling`` is None, else a draw from ``probs``."""
     if sampling is None:
-        return int(logits.argmax())
+        return int(logits.float().argmax())  # the same index; torch's bf16 argmax is ~5x slower than fp32's
     return draw(probs(logits, sampling), generator)
 
 

@@ -88,7 +88,7 @@ def verify(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, sa
     while True:
         row = logits[node + 1]
         if sampling is None:
-            target = int(row.argmax())
+            target = int(row.float().argmax())
             child = next((c for c in kids.get(node, []) if token_list[c] == target), None)
             if child is None:
                 return path, target
