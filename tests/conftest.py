@@ -1,8 +1,12 @@
 """Shared fixtures. The Hub is never reachable from tests: its endpoint points at a closed local port and the
-clients run offline, set before anything imports huggingface_hub, transformers or datasets."""
+clients run offline, set before anything imports huggingface_hub, transformers or datasets. Under pytest-xdist
+(the README's ``-n 2``) each worker, and every process it starts, computes on one thread: two workers with torch's
+default of one thread per core would oversubscribe the cores, and OpenMP then stalls for milliseconds per op."""
 
 import os
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported; inherited by the CLI and vLLM subprocesses
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
@@ -15,6 +19,7 @@ import torch  # noqa: E402
 from toolkit.models import embedded_gguf  # noqa: E402
 
 SMOL_VOCAB = 49152
+pytest_plugins = ["integration.smollm2_checkpoints"]  # real-model checkpoints the integration tests share
 
 
 @pytest.fixture(scope="module")

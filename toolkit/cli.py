@@ -474,7 +474,8 @@ def decode(
         sampling = SamplingConfig(temperature, seed=seed) if temperature > 0 else None
         loaded, tokenizer = load_model_or_checkpoint(model, torch.float32)
         ids = _chat_prompt(tokenizer, prompt)
-        decoder = Decoder.from_model(loaded, len(ids) + max_new_tokens, torch.int8 if kv_cache == "int8" else None)
+        decoder = Decoder.from_model(loaded, len(ids) + max_new_tokens, torch.int8 if kv_cache == "int8" else None,
+                                     fast_head=sampling is None)  # greedy: the argmax is all it reads
         out, stats = generate(decoder, ids, max_new_tokens, sampling, eos_token_id=tokenizer.eos_token_id)
     except (*_user_errors(), DecodeError, ValueError) as err:
         _fail(err)

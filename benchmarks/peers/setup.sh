@@ -50,14 +50,8 @@ PY
 }
 
 install_gptqmodel() {
-    make_venv gptqmodel
-    local py="$VENVS/gptqmodel/bin/python"
-    # --no-build-isolation: the sdist's setup.py only reads the version; building in-venv avoids
-    # a second build env that could resolve its own torch.
-    "$py" -m pip install "setuptools>=77.0.1,<83"
-    "$py" -m pip install --no-build-isolation "gptqmodel==$GPTQMODEL_VERSION" -c "$CONSTRAINTS"
-    check_torch gptqmodel
-    "$py" -c "import gptqmodel; print('gptqmodel', gptqmodel.__version__)"
+    # the same venv recipe as the tests' loader venv, made here under benchmarks/.venvs
+    bash "$ROOT/scripts/setup_gptqmodel.sh" "$VENVS/gptqmodel"
 }
 
 install_llmcompressor() {

@@ -229,3 +229,30 @@ def test_smollm2_matches_transformers():
     diff = (torch.cat(rows).float() - ref).abs().max().item()
     print(f"SmolLM2-135M: max |logits - transformers| = {diff:.2e} (logit range {ref.abs().max().item():.1f})")
     assert diff < 1e-3
+
+
+def test_rescored_head_is_exact_on_each_rows_top_logits_and_keeps_the_argmax():
+    from toolkit.decode.lm_head import RescoredHead
+
+    generator = torch.Generator().manual_seed(7)
+    head = nn.Linear(64, 5000, bias=True)
+    nn.init.normal_(head.weight, std=0.5, generator=generator)
+    nn.init.normal_(head.bias, std=0.5, generator=generator)
+    hidden = torch.randn(40, 64, generator=generator)
+    exact, fast = head(hidden), RescoredHead(head, top=16)(hidden)
+    top = exact.topk(8, dim=-1).indices
+    assert torch.allclose(fast.gather(-1, top), exact.gather(-1, top), atol=1e-5)  # recomputed in float32
+    assert torch.equal(fast.argmax(-1), exact.argmax(-1))
+    rest = (fast - exact).abs().max()
+    assert 0 < rest < 0.05 * exact.abs().max()  # everything else is the bf16 matmul's
+
+
+def test_fast_head_decodes_the_same_greedy_tokens():
+    from toolkit.decode import generate
+
+    model = spread(family_model("llama"))
+    ids = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(8)).tolist()
+    exact, _ = generate(Decoder.from_model(model, 40), ids, 32)
+    fast_decoder = Decoder.from_model(model, 40, fast_head=True)
+    fast, _ = generate(fast_decoder, ids, 32)
+    assert type(fast_decoder.lm_head).__name__ == "RescoredHead" and torch.equal(fast, exact)

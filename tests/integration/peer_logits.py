@@ -2,7 +2,7 @@
 quantization integration, run with the GPTQModel venv's python (made by scripts/setup_gptqmodel.sh):
 
     .venvs/gptqmodel/bin/python tests/integration/peer_logits.py --loader gptqmodel|transformers --model DIR \
-        --tokens windows.json --out logits.pt [--dtype float16]
+        --tokens windows.json --out logits.pt [--dtype float16] [--threads N]
 
 ``windows.json`` is a list of lists of token ids, each window one forward. Writes the logits, float32
 [windows, tokens, vocab], to ``--out`` (``torch.save``) and prints one JSON line on stdout: {"loader", "versions",
@@ -35,13 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", required=True, help="JSON file: list of lists of token ids")
     parser.add_argument("--out", required=True, help="where the float32 logits go (torch.save)")
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     args = parser.parse_args(argv)
 
     import gptqmodel
     import torch
     import transformers
 
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+    torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     config = json.loads(open(os.path.join(args.model, "config.json")).read())["quantization_config"]
     method = config["quant_method"]

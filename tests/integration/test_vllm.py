@@ -4,9 +4,8 @@ and score held-out windows like compound's own loader does (|Δ mean NLL| ≤ 0.
 checkpoint with one tensor missing. A compressed-tensors checkpoint with FP8 KV-cache scales is also served with an
 FP8 KV cache, and must run with exactly those scales.
 
-Checkpoints: two RTN W4 g64 quantizations, symmetric (GPTQ, with FP8 KV-cache scales) and asymmetric (AWQ), run
-side by side, and ``compound convert`` of each to compressed-tensors: conversions are bit-exact re-packs
-(tests/test_convert.py), so two quantizations give four layouts.
+Checkpoints: ``tests/integration/smollm2_checkpoints.py`` (RTN W4 g64, symmetric GPTQ with FP8 KV-cache scales and
+asymmetric AWQ, each also converted to compressed-tensors), shared with the other loaders' tests.
 
 Needs the vLLM venv made by ``bash scripts/setup_vllm.sh`` (.venvs/vllm); vLLM runs there in a subprocess
 (tests/integration/vllm_nll.py), since it pins its own torch/transformers. One vLLM process per checkpoint: it scores
@@ -37,8 +36,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from smollm2_checkpoints import SEQ_LEN, WINDOWS
 
-pytestmark = pytest.mark.slow
+# one xdist worker for every module that uses the shared smollm2_checkpoints, so they are built once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2_checkpoints")]
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venvs" / "vllm" / "bin" / "python"
@@ -46,18 +47,13 @@ VLLM_NLL = Path(__file__).with_name("vllm_nll.py")
 VLLM_DTYPE = "float16"
 TOLERANCE = 0.02  # nats, |Δ mean NLL| between compound and vLLM, same weights, float KV cache
 FP8_KV_TOLERANCE = 0.1  # nats, vLLM with an fp8 KV cache against compound's float one
-WINDOWS, SEQ_LEN = 4, 128
 DROPPED = "model.layers.3.mlp.down_proj"  # + the layout's first suffix (qweight / weight_packed)
-QUANTIZE = ["compound", "quantize", "--model", "smollm2-135m", "--method", "rtn", "--bits", "4", "--group-size", "64"]
-# name: (how it is made, first suffix of a quantized linear, the quantization vLLM must report)
+# name: (first suffix of a quantized linear, the quantization vLLM must report)
 CHECKPOINTS = {
-    "gptq": ([*QUANTIZE, "--sym", "--format", "gptq", "--kv-cache", "fp8", "--samples", "8", "--seq-len", "256"],
-             "qweight", ("gptq", "gptq_marlin", "auto_gptq")),
-    "awq": ([*QUANTIZE, "--asym"], "qweight", ("awq", "awq_marlin", "auto_awq")),
-    "compressed-tensors-sym": (["compound", "convert", "--model", "{gptq}", "--format", "compressed-tensors"],
-                               "weight_packed", ("compressed-tensors",)),
-    "compressed-tensors-asym": (["compound", "convert", "--model", "{awq}", "--format", "compressed-tensors"],
-                                "weight_packed", ("compressed-tensors",)),
+    "gptq": ("qweight", ("gptq", "gptq_marlin", "auto_gptq")),
+    "awq": ("qweight", ("awq", "awq_marlin", "auto_awq")),
+    "compressed-tensors-sym": ("weight_packed", ("compressed-tensors",)),
+    "compressed-tensors-asym": ("weight_packed", ("compressed-tensors",)),
 }
 
 if not VLLM_PYTHON.exists():
@@ -77,41 +73,8 @@ def vllm_result(result: subprocess.CompletedProcess) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _run_all(commands: dict[str, list[str]]) -> None:
-    """Run the commands side by side (each is mostly single-threaded Python), failing on the first error."""
-    procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for name, cmd in commands.items()}
-    for name, proc in procs.items():
-        output, _ = proc.communicate(timeout=1200)
-        assert proc.returncode == 0, f"{name}: {output[-6000:]}"
-
-
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("vllm")
-    paths = {name: root / name for name in CHECKPOINTS}
-    for stage in (("gptq", "awq"), ("compressed-tensors-sym", "compressed-tensors-asym")):
-        _run_all({name: [arg.format(**paths) for arg in CHECKPOINTS[name][0]] + ["--output", str(paths[name])]
-                  for name in stage})
-    return paths
-
-
-@pytest.fixture(scope="module")
-def windows(checkpoints, tmp_path_factory):
-    """(token windows [W, T], the same windows as a JSON file for vllm_nll.py)."""
-    from transformers import AutoTokenizer
-
-    from toolkit.calibration import eval_windows
-
-    tokenizer = AutoTokenizer.from_pretrained(checkpoints["gptq"])
-    tokens = eval_windows(tokenizer, "sharegpt", windows=WINDOWS, seq_len=SEQ_LEN)
-    path = tmp_path_factory.mktemp("tokens") / "windows.json"
-    path.write_text(json.dumps(tokens.tolist()))
-    return tokens, path
-
-
-@pytest.fixture(scope="module")
-def compound_nll(checkpoints, windows):
+def compound_nll(smollm2_checkpoints, smollm2_windows):
     """Mean NLL of each checkpoint under compound's loader (fp32), computed once per checkpoint."""
     from toolkit.evaluate.perplexity import perplexity
     from toolkit.runtime.load import load_quantized
@@ -120,8 +83,8 @@ def compound_nll(checkpoints, windows):
 
     def score(name):
         if name not in cache:
-            model, _ = load_quantized(checkpoints[name], dtype=torch.float32)
-            cache[name] = perplexity(model, windows[0])  # each window scored from its 2nd token
+            model, _ = load_quantized(smollm2_checkpoints[name], dtype=torch.float32)
+            cache[name] = perplexity(model, smollm2_windows[0])  # each window scored from its 2nd token
         return cache[name]
 
     return score
@@ -138,16 +101,16 @@ def _broken_copy(checkpoint: Path, dropped: str, directory: Path) -> Path:
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_vllm_scores_every_layout_like_compound_and_refuses_a_missing_tensor(
-    name, checkpoints, windows, compound_nll, tmp_path
+    name, smollm2_checkpoints, smollm2_windows, compound_nll, tmp_path
 ):
-    _, suffix, methods = CHECKPOINTS[name]
+    suffix, methods = CHECKPOINTS[name]
     dropped = f"{DROPPED}.{suffix}"
     ours = compound_nll(name)
-    broken = _broken_copy(checkpoints[name], dropped, tmp_path)
+    broken = _broken_copy(smollm2_checkpoints[name], dropped, tmp_path)
     # the cache pinned to the activation dtype: judged on weights alone (compressed-tensors-sym declares an FP8
     # kv_cache_scheme, which vLLM would otherwise honour by default)
-    theirs = vllm_result(run_vllm(checkpoints[name], windows[1], "--strict-weights", "--kv-cache-dtype", VLLM_DTYPE,
-                                  "--broken", str(broken)))
+    theirs = vllm_result(run_vllm(smollm2_checkpoints[name], smollm2_windows[1], "--strict-weights",
+                                  "--kv-cache-dtype", VLLM_DTYPE, "--broken", str(broken)))
 
     print(f"\n{name}: compound fp32 NLL {ours.nll:.5f} | vLLM {VLLM_DTYPE} NLL {theirs['nll']:.5f} "
           f"| Δ {theirs['nll'] - ours.nll:+.5f} | {theirs['quantization']} {theirs['kernels']}")
@@ -159,9 +122,9 @@ def test_vllm_scores_every_layout_like_compound_and_refuses_a_missing_tensor(
     assert "were not initialized from checkpoint" in error and dropped in error, error
 
 
-def test_vllm_serves_an_fp8_kv_cache_with_the_checkpoint_scales(checkpoints, windows, compound_nll):
-    checkpoint = checkpoints["compressed-tensors-sym"]
-    result = run_vllm(checkpoint, windows[1])  # no --kv-cache-dtype: the kv_cache_scheme alone selects fp8
+def test_vllm_serves_an_fp8_kv_cache_with_the_checkpoint_scales(smollm2_checkpoints, smollm2_windows, compound_nll):
+    checkpoint = smollm2_checkpoints["compressed-tensors-sym"]
+    result = run_vllm(checkpoint, smollm2_windows[1])  # no --kv-cache-dtype: the kv_cache_scheme alone selects fp8
     if result.returncode != 0 and "FP8 KV cache on CPU requires" in result.stderr:
         pytest.skip("this CPU has neither AVX-512 nor AMX, which vLLM's CPU backend needs for an fp8 KV cache")
     theirs = vllm_result(result)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from toolkit.decode.kv_cache import KVCache
+from toolkit.decode.lm_head import RescoredHead
 from toolkit.runtime.quant_linear import SharedInputLinears
 
 
@@ -81,7 +82,8 @@ class Decoder:
     """The forward of a supported causal LM over a static KV cache; build it with ``Decoder.from_model``."""
 
     def __init__(self, model: nn.Module, max_len: int, kv_dtype: torch.dtype | None = None,
-                 kv_scales: torch.Tensor | None = None, feature_layers: tuple[int, ...] | None = None):
+                 kv_scales: torch.Tensor | None = None, feature_layers: tuple[int, ...] | None = None,
+                 fast_head: bool = False):
         config = model.config
         if config.model_type not in _FAMILIES:
             raise DecodeError(f"toolkit.decode does not support model_type {config.model_type!r}; "
@@ -91,6 +93,8 @@ class Decoder:
         self.embed = base.embed_tokens.weight
         self.norm = base.norm.weight
         self.lm_head = model.get_output_embeddings()
+        if fast_head and self.lm_head.weight.dtype == torch.float32 and self.lm_head.weight.device.type == "cpu":
+            self.lm_head = RescoredHead(self.lm_head)
         self.eps = config.rms_norm_eps
         self.n_heads = config.num_attention_heads
         self.n_kv_heads = getattr(config, "num_key_value_heads", None) or self.n_heads
@@ -125,15 +129,18 @@ class Decoder:
 
     @classmethod
     def from_model(cls, model: nn.Module, max_len: int, kv_dtype: torch.dtype | None = None,
-                   kv_scales: torch.Tensor | None = None, feature_layers: tuple[int, ...] | None = None) -> Decoder:
+                   kv_scales: torch.Tensor | None = None, feature_layers: tuple[int, ...] | None = None,
+                   fast_head: bool = False) -> Decoder:
         """A decoder sharing ``model``'s modules and tensors, with a cache of ``max_len`` tokens.
 
         kv_dtype: None (the model dtype), a float dtype, or ``torch.int8``. kv_scales: [layers, 2] static INT8 scales
         (k, v) per layer; None computes them per token and head. feature_layers: return, instead of the final-norm
         hidden state, the residual streams entering these decoder layers, concatenated (what an EAGLE-3 head reads;
-        index i is transformers' ``hidden_states[i]``).
+        index i is transformers' ``hidden_states[i]``). fast_head: a float32 LM head on the CPU runs as
+        ``RescoredHead`` (a bf16 matmul with each row's top logits recomputed in float32): the same argmax, so the
+        same greedy tokens, at about a third of the head's cost; the other logits carry bf16 error.
         """
-        return cls(model, max_len, kv_dtype, kv_scales, feature_layers)
+        return cls(model, max_len, kv_dtype, kv_scales, feature_layers, fast_head)
 
     def setup_cache(self, max_len: int, kv_dtype: torch.dtype | None = None,
                     kv_scales: torch.Tensor | None = None) -> None:
@@ -199,12 +206,12 @@ class Decoder:
         v = v.transpose(0, 1).unsqueeze(0)  # (1, KVH, T, hd)
         self.cache.write(i, start, k, v)
         k, v = self.cache.read(i, start + T)  # (1, KVH, start + T, hd)
-        # Attention runs in float32 whatever the model dtype: on CPU torch's bf16 attention is 2.5x (100 keys) to 6x
-        # (1,000 keys) slower than upcasting for a one-token decode step, and fp32 softmax is what engines do anyway.
-        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
-                                             scale=self.head_dim**-0.5,
+        # In the model dtype, as vLLM's CPU backend computes it. Upcasting a bf16 model's attention to fp32 would be
+        # 2.5x faster per decode step on this CPU, but moves bf16 greedy paths away from vLLM's: the EAGLE-3 W4
+        # acceptance predicted for vLLM fell from 1.47 to 1.27 against vLLM's 1.53 (tests/integration/test_vllm_eagle).
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5,
                                              enable_gqa=self.n_kv_heads != self.n_heads)  # (1, H, T, hd)
-        return layer.o_proj(out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim).to(x.dtype))
+        return layer.o_proj(out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
 
     def _mask(self, start: int, positions: torch.Tensor, tree_mask: torch.Tensor | None,
               window: int | None) -> torch.Tensor | None:
