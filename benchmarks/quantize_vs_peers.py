@@ -111,7 +111,8 @@ def main() -> None:
     columns = ["tool", "method", "wall s", "peak RSS MiB", "perplexity", "Δ vs float", "KL (nats)", "top-1 agree"]
     table = markdown_table(columns, rows)
     base_ppl = raw[0]["base_perplexity"] if raw else float("nan")
-    body = (f"Command: `python benchmarks/quantize_vs_peers.py --methods {args.methods} --peers {args.peers}`\n\n"
+    body = (f"Command: `python benchmarks/quantize_vs_peers.py --methods {args.methods} --peers {args.peers} "
+            f"--samples {args.samples} --seq-len {args.seq_len} --windows {args.windows}`\n\n"
             f"SmolLM2-135M-Instruct, W4 g64, {args.samples}×{args.seq_len} ShareGPT calibration tokens (the same file "
             f"for every tool), {args.windows}×{args.seq_len} held-out windows ({raw[0]['tokens'] if raw else 0} "
             f"scored tokens); float perplexity {base_ppl:.3f}. 2 CPU threads each.\n\n{table}")
