@@ -14,10 +14,10 @@ threads, for
 
 Greedy agreement, per prompt over the first ``--check-tokens`` tokens: float rows against ``transformers``' fp32
 tokens, W4 rows against the same checkpoint on the dequantized reference (backend ``reference``) in the row's own
-dtype; at a first difference the logit margin between the two tokens is printed (float rows: transformers fp32's;
-W4 rows: the fp32 reference's), a near-tie where rounding, not a bug, picked the other token. Quality: perplexity through compound's loop (each held-out window prefilled into the cache, so every
-attention reads the cache as stored) with a float and an INT8 cache, and the cache's memory at ``--cache-tokens``
-slots.
+dtype; at a first difference the logit margin between the two tokens is printed (float rows: transformers fp32's; W4
+rows: the fp32 reference's), a near-tie where rounding, not a bug, picked the other token. Quality: perplexity
+through compound's loop (each held-out window prefilled into the cache, so every attention reads the cache as
+stored) with a float and an INT8 cache, and the cache's memory at ``--cache-tokens`` slots.
 
     python benchmarks/decode.py [--checkpoint DIR] [--threads 2] [--runs 3] [--no-write]
 """

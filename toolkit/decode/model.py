@@ -3,9 +3,9 @@
 In the spirit of gpt-fast's ``model.py``: one readable forward, but built *over* a loaded transformers model. Every
 linear is called as the model's own module (so a ``QuantLinear`` or any module with ``forward(x)`` just works; the
 linears that share an input go through ``SharedInputLinears``, which runs int4 q/k/v or gate/up as one matmul) and
-every norm weight and the embedding are the model's tensors, shared and never copied. What this adds is what serving needs
-and ``transformers`` does not expose simply: a preallocated KV cache (``toolkit.decode.kv_cache``), a forward over a
-*tree* of candidate tokens (each node attends to the cached prefix and its own ancestors, at position
+every norm weight and the embedding are the model's tensors, shared and never copied. What this adds is what serving
+needs and ``transformers`` does not expose simply: a preallocated KV cache (``toolkit.decode.kv_cache``), a forward
+over a *tree* of candidate tokens (each node attends to the cached prefix and its own ancestors, at position
 ``start + depth``), and cache compaction to the accepted path (SpecInfer, arXiv 2305.09781 §4; Medusa, 2401.10774 §2.3).
 
 Families differ only by data (``_FAMILIES``), and everything else is read from the config:
