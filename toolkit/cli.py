@@ -323,6 +323,8 @@ def train_heads(
     distill_batch: int = typer.Option(16, help="Self-distillation: prompts generated together."),
     dtype: str = typer.Option("bfloat16", help="Target dtype for self-distillation and hidden states."),
     online: bool = typer.Option(False, help="Compute hidden states while training instead of caching them."),
+    stream_target: bool = typer.Option(False, "--stream-target", help="Cache the hidden states with the target read one decoder layer at a time from the shards of a local safetensors directory (a target larger than memory; needs --dataset-answers). Training and checkpoint selection still load the target."),
+    batch_tokens: int = typer.Option(4096, help="Padded tokens per target forward while caching hidden states (raise it with --stream-target: each forward reads every layer)."),
     steps: int = typer.Option(600, help="Optimizer steps."),
     batch_size: int = typer.Option(8, help="Examples per optimizer step (all ranks together)."),
     micro_batch_size: int = typer.Option(4, help="Examples per forward on one rank (gradient accumulation makes up the rest)."),
@@ -355,7 +357,7 @@ def train_heads(
                        draft_tokens=draft_tokens,
                        dataset=dataset, samples=samples, max_len=max_len, self_distill=self_distill,
                        distill_tokens=distill_tokens, distill_batch=distill_batch, dtype=dtype, online=online,
-                       train=config, eval_prompts=eval_prompts, eval_tokens=eval_tokens, select_mode=select_mode,
+                       stream_target=stream_target, batch_tokens=batch_tokens, train=config, eval_prompts=eval_prompts, eval_tokens=eval_tokens, select_mode=select_mode,
                        layout=layout, work_dir=work_dir, overwrite=overwrite)
         result = run_train_heads(job, console, dry_run=dry_run)
     except (*_user_errors(), ValueError) as err:

@@ -9,7 +9,7 @@ Counted from the model's shapes (a meta-device skeleton is enough), float32 as t
 | embeddings | embeddings + final norm (the LM head is read only when written) | (in the model) |
 | activations | samples × seq_len × hidden, twice (a layer's inputs and outputs); one batch with offload | same |
 | forward | one batch: 3 MLP-wide tensors, 2 attention-score tensors, and 3 copies of the largest linear | same |
-| statistics | GPTQ: 5 × K² for the widest input K (the Hessian, its copy, Cholesky factor, inverse, temporaries: fitted to a 3B run's peak at K = 8192); AWQ: max_tokens × every input | same |
+| statistics | GPTQ: 3 × K² for the widest input K (the Hessian, then its permuted copy and Cholesky factor, then the factor and its inverse: two at a time, plus allocator slack); AWQ: max_tokens × every input | same |
 | output | one packed layer, twice (tensors and safetensors' serialized bytes) | the whole packed model, twice |
 
 An estimate, not a measurement: it aims a little high, so that a refusal is never a close call.
@@ -89,7 +89,7 @@ def estimate(
         per_token = 3 * max(m.out_features for m in linears) + 2 * heads * seq_len  # MLP, attention scores
         parts["forward"] = batch * seq_len * per_token * FLOAT + 3 * max(m.weight.numel() for m in linears) * FLOAT
     if config.method in ("gptq", "awq+gptq"):
-        parts["hessians"] = 5 * max(m.in_features for m in linears) ** 2 * FLOAT
+        parts["hessians"] = 3 * max(m.in_features for m in linears) ** 2 * FLOAT
     if config.method in ("awq", "awq+gptq"):
         parts["awq inputs"] = config.max_tokens * sum(m.in_features for m in linears) * FLOAT
     packed_layer = sum(_packed_bytes(m.weight.numel(), config) for m in linears)

@@ -20,14 +20,16 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from toolkit.models import ModelError, arch_spec, empty_model
+from toolkit.models import ModelError, arch_spec, decoder_layers, empty_model
 from toolkit.shards import ShardIndex, is_safetensors_dir
 
 DTYPE = torch.float32  # what load_model computes in; a streamed run must match it bit for bit
 
 
-def stream_model(spec: str, trust_remote_code: bool = False) -> tuple[nn.Module, ShardIndex]:
-    """(the model of a local safetensors directory with only its pre-layer tensors in memory, its shard index).
+def stream_model(spec: str, trust_remote_code: bool = False,
+                 dtype: torch.dtype = DTYPE) -> tuple[nn.Module, ShardIndex]:
+    """(the model of a local safetensors directory with only its pre-layer tensors and final norm in memory, in
+    ``dtype``; its shard index).
 
     Refuses a spec that is not such a directory, and a checkpoint whose tensor names do not match the model's
     (renamed or converted checkpoints need ``from_pretrained``'s conversions: the in-memory mode).
@@ -35,7 +37,7 @@ def stream_model(spec: str, trust_remote_code: bool = False) -> tuple[nn.Module,
     if not is_safetensors_dir(spec):
         raise ModelError(f"--stream reads layers from a local safetensors model directory; {spec!r} is not one "
                          "(a GGUF file or Hub id loads whole: run without --stream)")
-    model = empty_model(spec, DTYPE, trust_remote_code)
+    model = empty_model(spec, dtype, trust_remote_code)
     shards = ShardIndex(spec)
     missing = [name for name in expected_tensors(model) if name not in shards]
     if missing:
@@ -43,8 +45,24 @@ def stream_model(spec: str, trust_remote_code: bool = False) -> tuple[nn.Module,
                          "cannot stream layer by layer; run without --stream")
     prefix = arch_spec(model).layers + "."
     outer = [name for name in expected_tensors(model) if not name.startswith(prefix) and name != "lm_head.weight"]
-    model.load_state_dict(shards.read(outer, DTYPE), strict=False, assign=True)
+    model.load_state_dict(shards.read(outer, dtype), strict=False, assign=True)
     return model, shards
+
+
+def read_layer(model: nn.Module, shards: ShardIndex, index: int, dtype: torch.dtype = DTYPE) -> nn.Module:
+    """Decoder layer ``index`` of ``model`` with its weights read from ``shards`` in ``dtype``; ``release_layer``
+    returns them to the meta device."""
+    layer = decoder_layers(model)[index]
+    prefix = f"{arch_spec(model).layers}.{index}."
+    tensors = shards.read([prefix + name for name in layer.state_dict()], dtype)
+    layer.load_state_dict({full.removeprefix(prefix): t for full, t in tensors.items()}, assign=True)
+    return layer
+
+
+def release_layer(layer: nn.Module) -> None:
+    """Put a layer's weights back on the meta device and hand the freed memory back to the OS."""
+    layer.to("meta")
+    trim_heap()
 
 
 def expected_tensors(model: nn.Module) -> list[str]:
@@ -85,14 +103,11 @@ class StreamedLayers:
                 if not name.startswith(prefix) and not param.is_meta:
                     module, _, attr = name.rpartition(".")
                     setattr(self.model.get_submodule(module), attr, nn.Parameter(param.to("meta"), False))
-        names = {f"{self.prefix}.{index}.{name}": name for name in layer.state_dict()}
-        tensors = self.shards.read(list(names), DTYPE)
-        layer.load_state_dict({names[full]: t for full, t in tensors.items()}, assign=True)
+        read_layer(self.model, self.shards, index)
 
     def release(self, index: int, layer: nn.Module) -> None:
         self.save(index, layer)
-        layer.to("meta")
-        trim_heap()
+        release_layer(layer)
 
 
 def trim_heap() -> None:

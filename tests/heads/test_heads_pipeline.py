@@ -143,3 +143,24 @@ def test_cli_trains_and_validates_eagle_heads(tiny_llama_dir, tmp_path, one_thre
     assert reports["tree"]["shape"] == "tree: depth 3, top-2, 4 nodes"  # the shape it was trained and selected with
     assert reports["chain"]["shape"] == "chain of 3" and set(reports) >= {"chain-2", "chain-4", "tree-wide"}
     assert all(r["lossless"] for r in reports.values())
+
+
+def test_stream_target_caches_the_in_memory_states(tiny_llama_dir, tmp_path, one_thread):
+    """--stream-target (one target layer at a time from the shards) writes the cache the in-memory target writes;
+    it refuses what needs the whole target at once."""
+    import torch
+    from rich.console import Console
+
+    from toolkit.heads.pipeline import prepare
+
+    settings = dict(head="eagle3", aux_layers=(1, 2), self_distill=False, batch_tokens=128)
+    _, expected, _ = prepare(_job(tiny_llama_dir, tmp_path / "memory", **settings), Console(quiet=True))
+    examples, streamed, _ = prepare(_job(tiny_llama_dir, tmp_path / "streamed", stream_target=True, **settings),
+                                    Console(quiet=True))
+    assert (tmp_path / "streamed.work" / "hidden-1-2-final" / "index.json").exists()
+    assert len(streamed) == len(expected) == len(examples) == 4 and streamed.layers == [1, 2, -1]
+    for got, want in zip(streamed, expected):
+        assert got["hidden"].shape[1] == 3 and all(torch.equal(got[k], want[k]) for k in want)
+    for bad in (dict(self_distill=True), dict(self_distill=False, online=True)):
+        with pytest.raises(ValueError, match="--stream-target"):
+            _job(tiny_llama_dir, tmp_path / "x", stream_target=True, **bad)

@@ -12,12 +12,13 @@ import torch
 
 def pack(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Pack unsigned ``codes`` (values < 2^bits) along ``dim`` into int32 words; that dim shrinks by 32/bits."""
-    moved = codes.movedim(dim, 0).to(torch.int64)  # (L, ...)
+    moved = codes.movedim(dim, 0)  # (L, ...)
     length = moved.shape[0]
     if (length * bits) % 32:
         raise ValueError(f"cannot pack {length} codes of {bits} bits into whole 32-bit words")
     if 32 % bits == 0:
         return _pack_aligned(moved, bits).movedim(0, dim).contiguous()
+    moved = moved.to(torch.int64)
     shifts = torch.arange(bits, dtype=torch.int64)
     stream = (moved.unsqueeze(1) >> shifts.view(1, bits, *[1] * (moved.dim() - 1))) & 1  # (L, bits, ...)
     stream = stream.reshape(length * bits // 32, 32, *moved.shape[1:])  # (words, 32, ...)
@@ -50,11 +51,14 @@ def _unpack_aligned(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 
 def _pack_aligned(moved: torch.Tensor, bits: int) -> torch.Tensor:
-    """Fast path of ``pack`` for b = 2, 4, 8: codes (L, ...) int64 → words (L·b/32, ...) int32."""
+    """Fast path of ``pack`` for b = 2, 4, 8: codes (L, ...) → words (L·b/32, ...) int32, one code slot at a time
+    (the temporaries are word-sized: a linear's int64 codes at once would be 8 bytes per weight)."""
     per_word = 32 // bits
     slots = moved.reshape(moved.shape[0] // per_word, per_word, *moved.shape[1:])  # (words, per_word, ...)
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64).view(1, per_word, *[1] * (moved.dim() - 1))
-    return _to_int32((slots << shifts).sum(dim=1))
+    words = torch.zeros(slots.shape[0], *slots.shape[2:], dtype=torch.int64, device=moved.device)
+    for slot in range(per_word):
+        words |= slots[:, slot].to(torch.int64) << (slot * bits)
+    return _to_int32(words)
 
 
 def _to_int32(words: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from torch import nn
 
 from toolkit.formats.checkpoint import atomic_directory
 from toolkit.heads.data import Example
+from toolkit.heads.streamed_target import StreamedTarget
 
 INDEX = "index.json"
 FORMAT = "compound-hidden-states"
@@ -50,11 +51,15 @@ def cache_bytes(tokens: int, hidden_size: int, layers: int = 1, dtype: torch.dty
 def target_hidden_states(model: nn.Module, input_ids: torch.Tensor, layers: Sequence[int] = (-1,)) -> torch.Tensor:
     """Hidden states of ``input_ids`` [B, T] under ``model``: [B, T, D] for one layer, [B, T, len(layers), D] else.
 
-    Right padding is harmless: attention is causal, so no real token sees the padding after it.
+    Right padding is harmless: attention is causal, so no real token sees the padding after it. ``model`` may be a
+    ``StreamedTarget`` (``--stream-target``), which computes the same states one decoder layer at a time.
     """
     device = model.get_input_embeddings().weight.device
-    states = model(input_ids.to(device), output_hidden_states=True, use_cache=False).hidden_states
-    picked = [states[i] for i in layers]
+    if isinstance(model, StreamedTarget):
+        picked = model.hidden_states(input_ids.to(device), layers)
+    else:
+        states = model(input_ids.to(device), output_hidden_states=True, use_cache=False).hidden_states
+        picked = [states[i] for i in layers]
     out = picked[0] if len(picked) == 1 else torch.stack(picked, dim=2)
     if not torch.isfinite(out).all():
         raise HiddenStateError("the target produced non-finite hidden states (NaN/inf); check the model and its dtype")

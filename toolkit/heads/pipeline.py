@@ -73,6 +73,8 @@ class HeadsJob:
     distill_prompt_tokens: int = 384  # longest prompt self-distilled: long prompts cost prefill and cache, not signal
     dtype: str = "bfloat16"
     online: bool = False
+    stream_target: bool = False  # hidden states one target layer at a time from its shards (toolkit.heads.streamed_target)
+    batch_tokens: int = 4096  # padded tokens per target forward while caching hidden states
     train: TrainConfig = field(default_factory=TrainConfig)
     eval_prompts: int = 4
     eval_tokens: int = 64
@@ -90,8 +92,13 @@ class HeadsJob:
             raise ValueError(f"need --samples >= 1 and --max-len >= 8, got {self.samples} and {self.max_len}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"--dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
-        if min(self.draft_vocab, self.ttt_steps, self.depth, self.top_k, self.draft_tokens) < 1:
-            raise ValueError("--draft-vocab, --ttt-steps, --depth, --top-k and --draft-tokens must be >= 1")
+        if min(self.draft_vocab, self.ttt_steps, self.depth, self.top_k, self.draft_tokens, self.batch_tokens) < 1:
+            raise ValueError("--draft-vocab, --ttt-steps, --depth, --top-k, --draft-tokens and --batch-tokens must "
+                             "be >= 1")
+        if self.stream_target and (self.online or self.self_distill):
+            raise ValueError("--stream-target runs the target one layer at a time over the whole cache; it cannot "
+                             "generate answers (use --dataset-answers) or compute states while training (drop "
+                             "--online)")
 
     @property
     def work(self) -> Path:
@@ -175,7 +182,13 @@ def prepare(job: HeadsJob, console: Console, dry_run: bool = False):
         check_trainable(examples)
         show_example(console, tokenizer, examples[0])
         return examples, None, None
-    model, tokenizer = load_model_or_checkpoint(job.model, getattr(torch, job.dtype))
+    if job.stream_target:
+        from toolkit.heads.streamed_target import StreamedTarget
+        from toolkit.models import load_tokenizer
+
+        model, tokenizer = StreamedTarget(job.model, getattr(torch, job.dtype)), load_tokenizer(job.model)
+    else:
+        model, tokenizer = load_model_or_checkpoint(job.model, getattr(torch, job.dtype))
     examples = _examples(job, model, tokenizer)
     tokens = sum(len(e.input_ids) for e in examples)
     hidden_size = model.get_input_embeddings().weight.shape[1]
@@ -192,7 +205,8 @@ def prepare(job: HeadsJob, console: Console, dry_run: bool = False):
         if [e["id"] for e in data.examples] != [e.id for e in examples] or data.layers != layers:
             raise ValueError(f"{cache} holds hidden states of other examples; remove it or use another --work-dir")
     else:
-        data = cache_hidden_states(model, examples, cache, layers=layers, target=target_identity(job.model))
+        data = cache_hidden_states(model, examples, cache, layers=layers, target=target_identity(job.model),
+                                   batch_tokens=job.batch_tokens)
     del model
     return examples, data, None
 

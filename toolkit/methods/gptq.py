@@ -1,7 +1,8 @@
 """GPTQ layer driver: Hessians from what the layer's linears read on the calibration data, then
 ``toolkit.quant.gptq`` on each linear.
 
-Linears that read the same tensor (q/k/v; gate/up) share one Hessian, accumulated once. With ``true_sequential``
+Linears that read the same tensor (q/k/v; gate/up) share one Hessian, accumulated and factored once (the Hessian is
+freed as soon as its factor exists: at K = 8192 each K×K matrix is 268 MB). With ``true_sequential``
 the groups are taken in execution order and each group's Hessian is collected after the previous groups were
 quantized and written back, so o_proj is fitted to the inputs the quantized q/k/v produce (as in the reference
 ``--true-sequential``). Without it, one pass collects every Hessian from the float layer.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from toolkit.engine import ActivationError, LayerSession
-from toolkit.quant.gptq import HessianAccumulator, gptq_quantize
+from toolkit.quant.gptq import HessianAccumulator, HessianFactor, gptq_factored, hessian_factor
 from toolkit.quant.primitives import QuantizedWeight
 
 
@@ -25,15 +26,16 @@ def quantize_layer(session: LayerSession) -> dict[str, QuantizedWeight]:
             f"linears {', '.join(sorted(missing))} of decoder layer {session.index} never ran on the calibration "
             f"data, so GPTQ has no Hessian for them; add them to skip"
         )
+    cfg = session.config
     results = {}
-    if session.config.true_sequential:
-        for group in groups:
-            H = _hessians(session, [group])[group[0]]
-            results.update({name: _quantize_linear(session, name, H) for name in group})
-    else:
-        hessians = _hessians(session, groups)
-        for group in groups:
-            results.update({name: _quantize_linear(session, name, hessians[group[0]]) for name in group})
+    hessians = {} if cfg.true_sequential else _hessians(session, groups)
+    for group in groups:
+        if cfg.true_sequential:
+            hessians = _hessians(session, [group])
+        # popped straight into the call, so that the factorization holds the only reference and frees the Hessian
+        factor = hessian_factor(hessians.pop(group[0]), cfg.damp, cfg.act_order)
+        results.update({name: _quantize_linear(session, name, factor) for name in group})
+        del factor
     return results
 
 
@@ -59,13 +61,13 @@ def _hessians(session: LayerSession, groups: list[list[str]]) -> dict[str, torch
     return {name: acc.H for name, acc in accumulators.items()}
 
 
-def _quantize_linear(session: LayerSession, name: str, H: torch.Tensor) -> QuantizedWeight:
+def _quantize_linear(session: LayerSession, name: str, factor: HessianFactor) -> QuantizedWeight:
     """GPTQ one linear, write its dequantized weight back at once (later groups must see it), record its loss."""
     cfg = session.config
     linear = session.linears[name]
-    qweight, loss = gptq_quantize(
-        linear.weight.data, H, cfg.bits, cfg.group_size, cfg.sym, damp=cfg.damp, block_size=cfg.block_size,
-        act_order=cfg.act_order, static_groups=cfg.static_groups, mse_clip=cfg.mse_clip,
+    qweight, loss = gptq_factored(
+        linear.weight.data, factor, cfg.bits, cfg.group_size, cfg.sym, block_size=cfg.block_size,
+        static_groups=cfg.static_groups, mse_clip=cfg.mse_clip,
     )
     qweight.bias = linear.bias
     linear.weight.data.copy_(qweight.dequantize().to(linear.weight.dtype))

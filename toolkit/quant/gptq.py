@@ -18,13 +18,15 @@ The reported loss is Σ ½ (w − q)² / d² with d = U_qq (the reference's ``Lo
 ½ Σ_rows (W − Q) H (W − Q)ᵀ for the dampened H: ‖(W − Q) Xᵀ‖² / n, the mean over tokens of the squared output
 error summed over rows, plus the dampening's small share.
 
-Envelope: float32 throughout; K up to a few thousand (H is K×K); CPU or GPU. The grid is ``primitives``'s.
+Envelope: float32 throughout; K up to a few thousand (H is K×K; the factorization holds two K×K matrices at its
+peak, the quantization loop one); CPU or GPU. The grid is ``primitives``'s.
 """
 
 from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -36,6 +38,8 @@ _SHRINK = [1 - i / 100 for i in range(21)]
 _MSE_NORM = 2.4
 # Automatic dampening stops here: a Hessian that needs more than its own mean diagonal is broken, not ill-conditioned.
 _MAX_DAMP = 1.0
+# Rows of the permuted Hessian gathered per step: the gather's temporaries stay small next to the K×K result.
+_GATHER_ROWS = 512
 
 
 class HessianAccumulator:
@@ -55,6 +59,72 @@ class HessianAccumulator:
         self.tokens = total
 
 
+@dataclass
+class HessianFactor:
+    """What GPTQ needs of a Hessian, shared by every linear that reads the same input (q/k/v; gate/up).
+
+    U (upper, the Cholesky factor of the dampened H⁻¹ in processing order) is kept as ``reversed_inverse`` = J U J
+    (lower; J the order reversal), the form the factorization yields, and read one block of rows at a time
+    (``rows``), so no flipped K×K copy is ever made.
+    """
+
+    reversed_inverse: torch.Tensor  # (K, K) lower: J U J
+    diagonal: torch.Tensor  # (K,) d = diag(U), in processing order
+    dead: torch.Tensor  # (K,) bool: inputs never active (diag H = 0), in original order
+    perm: torch.Tensor | None  # (K,) processing order (act_order), or None for the natural order
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop-1 of U, scaled to a unit diagonal: [stop - start, K], a new tensor."""
+        K = self.reversed_inverse.shape[0]
+        block = self.reversed_inverse[K - stop : K - start].flip(0, 1)
+        return block.div_(self.diagonal[start:stop, None])
+
+
+def hessian_factor(H: torch.Tensor, damp: float = 0.01, act_order: bool = False) -> HessianFactor:
+    """Factor the Hessian ``H`` [K, K] for ``gptq_factored``; ``H`` is left unchanged.
+
+    damp: added to diag(H), relative to its mean; multiplied by 10 (with a warning) until the factorization
+    succeeds. Dead inputs (diag(H) = 0) are treated as H_kk = 1. act_order: columns in decreasing diag(H) order.
+
+    With J H J = L Lᵀ, H⁻¹ = (J L⁻¹ J)ᵀ (J L⁻¹ J), so U = J L⁻¹ J: one Cholesky and one triangular solve, instead of
+    the reference's Cholesky, ``cholesky_inverse`` and second Cholesky (LAPACK's ``potri`` is also the step that
+    stalls for seconds when the CPU cores are shared). Peak memory: two K×K float32 matrices besides ``H``; pass a
+    Hessian nothing else holds and it is freed as soon as its permuted copy exists, so two in all. The steps are
+    inline on purpose: a helper's argument would keep its matrix alive until the helper returns.
+    """
+    K = H.shape[0]
+    if H.shape != (K, K):
+        raise ValueError(f"H must be square, got {tuple(H.shape)}")
+    if not _all_finite(H):
+        raise ValueError("H holds NaN or infinite values; the calibration activations overflowed")
+    diagonal = H.diagonal().float().clone()  # not a view: H must be freeable below
+    dead = diagonal == 0
+    diagonal = torch.where(dead, torch.ones_like(diagonal), diagonal)
+    perm = torch.argsort(diagonal, descending=True) if act_order else None
+    order = (perm if perm is not None else torch.arange(K, device=H.device)).flip(0)
+    reversed_h = torch.empty(K, K, dtype=torch.float32, device=H.device)  # J P H Pᵀ J, gathered in row blocks
+    for start in range(0, K, _GATHER_ROWS):
+        rows = order[start : start + _GATHER_ROWS]
+        reversed_h[start : start + len(rows)] = H.index_select(0, rows).index_select(1, order)
+    del H
+    reversed_h.diagonal().copy_(diagonal[order])
+    mean_diag, added = diagonal.mean(), 0.0
+    while True:
+        reversed_h.diagonal().add_((damp - added) * mean_diag)
+        added = damp
+        L, info = torch.linalg.cholesky_ex(reversed_h)
+        if info == 0:
+            del reversed_h  # rebuilt from L in the rare case that L⁻¹ overflows
+            reversed_inverse = torch.eye(K, dtype=L.dtype, device=L.device)  # L⁻¹ is solved into its storage
+            torch.linalg.solve_triangular(L, reversed_inverse, upper=False, out=reversed_inverse)
+            if _all_finite(reversed_inverse):
+                return HessianFactor(reversed_inverse, reversed_inverse.diagonal().flip(0), dead, perm)
+            del reversed_inverse
+            reversed_h = L @ L.mT
+        del L
+        damp = _raised_damp(damp)
+
+
 def gptq_quantize(
     W: torch.Tensor,
     H: torch.Tensor,
@@ -68,60 +138,70 @@ def gptq_quantize(
     static_groups: bool = True,
     mse_clip: bool = False,
 ) -> tuple[QuantizedWeight, float]:
-    """Quantize ``W`` [N, K] against the Hessian ``H`` [K, K] (neither is modified). Returns the weight record, in
+    """Quantize ``W`` [N, K] against the Hessian ``H`` [K, K] (neither is modified): ``hessian_factor`` then
+    ``gptq_factored``. Returns the weight record, in original column order, and the loss Σ ½ (w − q)² / d²."""
+    if H.shape != (W.shape[1], W.shape[1]):
+        raise ValueError(f"H must be [{W.shape[1]}, {W.shape[1]}] for W of shape {tuple(W.shape)}, "
+                         f"got {tuple(H.shape)}")
+    factor = hessian_factor(H, damp, act_order)
+    return gptq_factored(W, factor, bits, group_size, sym, block_size=block_size, static_groups=static_groups,
+                         mse_clip=mse_clip)
+
+
+def gptq_factored(
+    W: torch.Tensor,
+    factor: HessianFactor,
+    bits: int,
+    group_size: int,
+    sym: bool,
+    *,
+    block_size: int = 128,
+    static_groups: bool = True,
+    mse_clip: bool = False,
+) -> tuple[QuantizedWeight, float]:
+    """Quantize ``W`` [N, K] (not modified) with a ``hessian_factor`` of its Hessian. Returns the weight record, in
     original column order, and the loss Σ ½ (w − q)² / d².
 
-    damp: added to diag(H), relative to its mean; multiplied by 10 (with a warning) until the Cholesky succeeds.
-    Dead inputs (diag(H) = 0: never active) get H_kk = 1 and a zero weight column.
-    act_order: columns in decreasing diag(H) order. Groups are then formed either in that order (``static_groups``
-    False: non-monotonic g_idx, g_idx[perm[i]] = i // group_size) or, with ``static_groups``, fixed up front in
-    original order from the whole W (g_idx stays k // group_size). Without act_order groups are already in original
-    order and static_groups has no effect. Group qparams are otherwise taken when a group's first column is reached,
-    from the error-updated weights at that moment; per-channel (group_size -1) qparams from the whole W.
+    Dead inputs get a zero weight column. With the factor's act_order, groups are formed either in processing order
+    (``static_groups`` False: non-monotonic g_idx, g_idx[perm[i]] = i // group_size) or, with ``static_groups``,
+    fixed up front in original order from the whole W (g_idx stays k // group_size). Without act_order groups are
+    already in original order and static_groups has no effect. Group qparams are otherwise taken when a group's
+    first column is reached, from the error-updated weights at that moment; per-channel (group_size -1) qparams
+    from the whole W.
     mse_clip: each group's range is shrunk to the factor with the lowest Σ|w − q|^2.4 instead of min/max.
     """
     N, K = W.shape
-    if H.shape != (K, K):
-        raise ValueError(f"H must be [{K}, {K}] for W of shape {tuple(W.shape)}, got {tuple(H.shape)}")
+    if factor.diagonal.shape[0] != K:
+        raise ValueError(f"the Hessian factor is for {factor.diagonal.shape[0]} inputs, W has {K}")
     size = K if group_size == -1 else group_size
     if K % size:
         raise ValueError(f"group_size {group_size} does not divide in_features {K}")
-    if not torch.isfinite(H).all():
-        raise ValueError("H holds NaN or infinite values; the calibration activations overflowed")
     maxq = max_code(bits)
-    W = W.detach().float().clone()
-    H = H.detach().float().clone()
-
-    dead = H.diagonal() == 0
-    H.diagonal()[dead] = 1
-    W[:, dead] = 0
+    perm, d = factor.perm, factor.diagonal
+    act_order = perm is not None
+    # Transposed, so that a column of W is a contiguous row: every per-column update touches contiguous memory.
+    Wt = W.detach().T.float().contiguous()  # (K, N), a copy
+    Wt[factor.dead] = 0
 
     static = act_order and static_groups and group_size != -1
     if static:
-        static_scale, static_zero = _qparams(W.reshape(N, K // size, size), bits, sym, mse_clip)  # (N, G)
+        static_scale, static_zero = _qparams(Wt.T.reshape(N, K // size, size), bits, sym, mse_clip)  # (N, G)
         static_scale, static_zero = static_scale.T.contiguous(), static_zero.T.contiguous()  # (G, N)
     if act_order:
-        perm = torch.argsort(H.diagonal(), descending=True)
-        W, H = W[:, perm], H[perm][:, perm]
+        Wt = Wt[perm]
         group_of_column = (perm // size).tolist()
-    Hinv = _inverse_cholesky(H, damp)  # (K, K) upper: row q is (H_F⁻¹)_{q,:} / d_q at step q
-    del H
-    d = Hinv.diagonal().clone()  # (K,)
-    # Rows scaled to a unit diagonal: the updates then take the raw error w − q, with no division per column.
-    Hinv.div_(d[:, None])
 
-    # Transposed, so that a column of W is a contiguous row: every per-column update touches contiguous memory.
-    Wt = W.T.contiguous()  # (K, N)
-    del W
-    codes_t = torch.empty_like(Wt)  # (K, N) codes as floats, in processing order
+    codes_t = torch.empty(K, N, dtype=torch.uint8, device=Wt.device)  # (K, N) in processing order
+    q = torch.empty(N, dtype=torch.float32, device=Wt.device)  # one column's codes as floats
     scales, zeros = [], []  # per group in processing order, each (N,)
     loss = torch.zeros((), dtype=torch.float64, device=Wt.device)
 
     for i1 in range(0, K, block_size):
         i2 = min(i1 + block_size, K)
+        U = factor.rows(i1, i2)  # (count, K): rows i1..i2-1 of the unit-diagonal factor
         W1 = Wt[i1:i2]  # (count, N) view: updated in place, column by column
         Err1 = torch.empty_like(W1)  # (count, N) w − q of each column
-        Hinv1 = Hinv[i1:i2, i1:i2]
+        U1 = U[:, i1:i2]
         with _single_threaded(Wt.device):
             for i in range(i2 - i1):
                 j = i1 + i
@@ -133,31 +213,33 @@ def gptq_quantize(
                     # updates of this block's columns 0..i-1.
                     current = W1[i : i + size]
                     if j + size > i2:
-                        pending = Wt[i2 : j + size] - Hinv[i1:j, i2 : j + size].T @ Err1[:i]
+                        pending = Wt[i2 : j + size] - U[:i, i2 : j + size].T @ Err1[:i]
                         current = torch.cat([current, pending])  # (size, N)
                     scale, zero = _qparams(current.T, bits, sym, mse_clip)
                     scales.append(scale)
                     zeros.append(zero)
-                w, q, err = W1[i], codes_t[j], Err1[i]
+                w, err = W1[i], Err1[i]
                 torch.div(w, scale, out=q)
                 q.round_().add_(zero).clamp_(0, maxq)
+                codes_t[j].copy_(q)
                 torch.sub(q, zero, out=err)
                 err.mul_(scale)  # dequantized value
                 torch.sub(w, err, out=err)
-                W1[i + 1 :].addr_(Hinv1[i, i + 1 :], err, alpha=-1)
+                W1[i + 1 :].addr_(U1[i, i + 1 :], err, alpha=-1)
             loss += Err1.div(d[i1:i2, None]).square_().sum(dtype=torch.float64)
-        Wt[i2:].addmm_(Hinv[i1:i2, i2:].T, Err1, alpha=-1)
+        Wt[i2:].addmm_(U[:, i2:].T, Err1, alpha=-1)
+    del Wt
 
     if static:
         scale, zero = static_scale.T, static_zero.T  # (N, G)
     else:
         scale, zero = torch.stack(scales, dim=1), torch.stack(zeros, dim=1)  # (N, G), groups in processing order
-    g_idx = default_g_idx(K, group_size, Wt.device)
+    g_idx = default_g_idx(K, group_size, codes_t.device)
     if act_order:
         codes_t = codes_t[torch.argsort(perm)]  # (K, N) rows back in original column order
         if not static:
             g_idx[perm] = g_idx.clone()  # column perm[i] is the i-th processed: group i // group_size
-    codes = codes_t.T.to(torch.uint8).contiguous()  # (N, K)
+    codes = codes_t.T.contiguous()  # (N, K)
     record = QuantizedWeight(
         codes, scale.contiguous(), zero.to(torch.int32).contiguous(), g_idx, bits, group_size, sym
     )
@@ -198,27 +280,16 @@ def _single_threaded(device: torch.device):
         torch.set_num_threads(threads)
 
 
-def _inverse_cholesky(H: torch.Tensor, damp: float) -> torch.Tensor:
-    """Upper Cholesky factor U of (H + damp·mean(diag H)·I)⁻¹, raising damp ×10 (with a warning) while it fails.
+def _all_finite(matrix: torch.Tensor) -> bool:
+    """Whether every entry is finite, checked in row blocks (``torch.isfinite`` on the whole of a K×K matrix builds
+    temporaries nearly twice its size)."""
+    return all(bool(torch.isfinite(block).all()) for block in matrix.split(_GATHER_ROWS))
 
-    With J the order reversal and J H J = L Lᵀ, H⁻¹ = (J L⁻¹ J)ᵀ (J L⁻¹ J), so U = J L⁻¹ J: one Cholesky and one
-    triangular solve, instead of the reference's Cholesky, ``cholesky_inverse`` and second Cholesky (LAPACK's
-    ``potri`` is also the step that stalls for seconds when the CPU cores are shared).
-    """
-    K = H.shape[0]
-    mean_diag = H.diagonal().mean()
-    identity = torch.eye(K, dtype=H.dtype, device=H.device)
-    while True:
-        Hd = H.flip(0, 1)  # (K, K) J H J, a copy
-        Hd.diagonal().add_(damp * mean_diag)
-        L, info = torch.linalg.cholesky_ex(Hd)
-        if info == 0:
-            U = torch.linalg.solve_triangular(L, identity, upper=False).flip(0, 1)
-            if torch.isfinite(U).all():
-                return U
-        if damp * 10 > _MAX_DAMP * (1 + 1e-9):
-            raise ValueError(
-                f"H is not positive definite even with damp {damp:g}; the calibration activations are degenerate"
-            )
-        damp *= 10
-        warnings.warn(f"GPTQ: Cholesky of the dampened Hessian failed; raising damp to {damp:g}", stacklevel=3)
+
+def _raised_damp(damp: float) -> float:
+    """The next dampening after a failed factorization (×10, with a warning), or an error past ``_MAX_DAMP``."""
+    if damp * 10 > _MAX_DAMP * (1 + 1e-9):
+        raise ValueError(f"H is not positive definite even with damp {damp:g}; the calibration activations are "
+                         "degenerate")
+    warnings.warn(f"GPTQ: Cholesky of the dampened Hessian failed; raising damp to {damp * 10:g}", stacklevel=3)
+    return damp * 10

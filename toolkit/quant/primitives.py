@@ -68,9 +68,20 @@ def quantize(
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
-    """Float weights ``scale · (code − zero)`` [N, K] from codes [N, K] and per-group scale, zero [N, G]."""
+    """Float weights ``scale · (code − zero)`` [N, K] from codes [N, K] and per-group scale, zero [N, G].
+
+    Computed in place in the output, so a linear costs one float32 copy (contiguous groups broadcast per group;
+    act-order's ``g_idx`` expands one [N, K] operand at a time).
+    """
+    out = codes.float()
+    N, K = codes.shape
+    G = scale.shape[1]
+    if K % G == 0 and torch.equal(g_idx.long(), default_g_idx(K, K // G, g_idx.device).long()):
+        grouped = out.view(N, G, K // G)
+        grouped.sub_(zero[:, :, None]).mul_(scale[:, :, None])
+        return out
     g = g_idx.long()
-    return scale[:, g] * (codes.float() - zero[:, g])
+    return out.sub_(zero[:, g]).mul_(scale[:, g])
 
 
 @dataclass
