@@ -1,22 +1,28 @@
-"""Peak memory of ``compound quantize`` streamed (``--stream``) and in memory, on random Llama models made here.
+"""Peak memory of ``compound quantize`` streamed (``--stream``) and in memory, on SmolLM2 and random Llama models.
 
-The models are random-initialised Llama architectures written as bfloat16 safetensors shards (one per decoder layer)
-under ``benchmarks/.cache/`` (made on first use, never shipped), with SmolLM2's tokenizer (so vocab 49152):
+The models are written as bfloat16 safetensors shards (one per decoder layer) under ``benchmarks/.cache/`` (made on
+first use, never shipped), all with SmolLM2's tokenizer (so vocab 49152): ``smollm2`` is the embedded
+SmolLM2-135M-Instruct (its GGUF dequantized, then saved; a GGUF file itself cannot stream), the others are
+random-initialised Llama architectures:
 
-| size  | hidden | intermediate | layers | heads / KV heads | parameters | bf16 on disk |
-|-------|--------|--------------|--------|------------------|------------|--------------|
-| small | 1024   | 2816         | 16     | 16 / 4           | 0.28 B     | 0.56 GB      |
-| 3b    | 3072   | 8192         | 28     | 24 / 8           | 3.1 B      | 6.2 GB       |
+| size    | hidden | intermediate | layers | heads / KV heads | parameters | bf16 on disk |
+|---------|--------|--------------|--------|------------------|------------|--------------|
+| smollm2 | 576    | 1536         | 30     | 9 / 3            | 0.13 B     | 0.27 GB      |
+| small   | 1024   | 2816         | 16     | 16 / 4           | 0.28 B     | 0.56 GB      |
+| 3b      | 3072   | 8192         | 28     | 24 / 8           | 3.1 B      | 6.2 GB       |
 
 Each run is ``compound quantize --method gptq --bits 4 --group-size 128`` (or ``--method rtn``) in a subprocess; its
 peak RSS is the one it reports (its own ``VmHWM``: ``os.wait4``'s ``ru_maxrss`` would include this process's peak,
 which Linux carries into a child across fork + exec), its wall time from the clock. The output is then
 loaded (``toolkit.runtime.load.load_quantized``) and decodes a few greedy tokens through ``toolkit.decode``. GPTQ on
 2 CPU cores with the default 128 × 512 calibration tokens would take hours on the 3B model; the table says what
-calibration each row used.
+calibration each row used (group size 64 for SmolLM2, whose width 576 is not a multiple of 128).
 
-    python benchmarks/memory.py [--size small|3b] [--method gptq|rtn] [--modes stream,memory] [--samples 8]
-                                [--seq-len 512] [--batch-size 8] [--no-write]
+Every run's rows are kept in ``benchmarks/memory_results.json`` (keyed by model, method and mode, with the command
+that measured them), and the section in BENCHMARKS.md is the table of all of them, so runs of different sizes add up.
+
+    python benchmarks/memory.py [--size smollm2|small|3b] [--method gptq|rtn] [--modes stream,memory]
+                                [--samples 8] [--seq-len 512] [--batch-size 8] [--no-write]
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from report import cpu_name, markdown_table, update_section  # noqa: E402
 
 CACHE = ROOT / "benchmarks" / ".cache" / "memory"
+RESULTS = ROOT / "benchmarks" / "memory_results.json"
 SIZES = {
+    "smollm2": None,  # the embedded model
     "small": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
                   num_key_value_heads=4),
     "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
@@ -60,6 +68,14 @@ def make_model(size: str) -> Path:
     staging = path.with_name(size + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
+    gguf = embedded_gguf("smollm2-135m")
+    if SIZES[size] is None:
+        from toolkit.models import load_model
+
+        load_model("smollm2-135m").to(torch.bfloat16).save_pretrained(staging, max_shard_size="50MB")
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(staging)
+        os.replace(staging, path)
+        return path
     config = LlamaConfig(vocab_size=VOCAB, tie_word_embeddings=False, dtype="bfloat16", **SIZES[size])
     with init_empty_weights():
         shapes = {name: t.shape for name, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
@@ -79,17 +95,16 @@ def make_model(size: str) -> Path:
     (staging / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": files}, indent=1))
     config.save_pretrained(staging)
-    gguf = embedded_gguf("smollm2-135m")
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(staging)
     os.replace(staging, path)
     return path
 
 
 def run_quantize(model: Path, output: Path, method: str, stream: bool, samples: int, seq_len: int,
-                 batch_size: int) -> dict:
+                 batch_size: int, group_size: int) -> dict:
     """Quantize in a subprocess; its peak RSS (MiB), wall time (s) and the memory estimate it printed."""
     command = ["compound", "quantize", "--model", str(model), "-o", str(output), "--method", method, "--bits", "4",
-               "--group-size", "128", "--samples", str(samples), "--seq-len", str(seq_len), "--overwrite",
+               "--group-size", str(group_size), "--samples", str(samples), "--seq-len", str(seq_len), "--overwrite",
                "--batch-size", str(batch_size),
                "--stream" if stream else "--no-stream"]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "COLUMNS": "400"}
@@ -126,30 +141,47 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=8, help="calibration sequences per layer forward")
-    parser.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
+    parser.add_argument("--no-write", action="store_true", help="print the rows, leave BENCHMARKS.md and the "
+                        "results file alone")
     args = parser.parse_args()
 
     model = make_model(args.size)
     disk = sum(p.stat().st_size for p in model.glob("*.safetensors"))
-    rows = []
+    group_size = 64 if args.size == "smollm2" else 128
+    results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     for mode in args.modes.split(","):
         output = CACHE / f"{args.size}-{args.method}-{mode}"
-        run = run_quantize(model, output, args.method, mode == "stream", args.samples, args.seq_len, args.batch_size)
-        rows.append([args.size, f"{disk / 1e9:.2f} GB", mode, f"{args.samples}×{args.seq_len}, batch {args.batch_size}",
-                     f"{run['peak_mib']:.0f} MiB", f"{run['peak_mib'] * 2**20 / disk:.2f}", f"{run['seconds']:.0f} s",
-                     decode_check(output), run["estimate"]])
-        print(markdown_table(COLUMNS, rows[-1:]), flush=True)
-    body = (f"`python benchmarks/memory.py --size {args.size} --samples {args.samples} --seq-len {args.seq_len} "
-            f"--batch-size {args.batch_size}` "
-            f"on {cpu_name()}, OMP_NUM_THREADS=1. {args.method.upper()} W4 g128 of a random Llama written as bf16 "
-            f"shards; peak RSS as the quantize process reports it (VmHWM).\n\n" + markdown_table(COLUMNS, rows))
+        run = run_quantize(model, output, args.method, mode == "stream", args.samples, args.seq_len, args.batch_size,
+                           group_size)
+        calibration = "none" if args.method == "rtn" else f"{args.samples}×{args.seq_len}, batch {args.batch_size}"
+        row = {"model": args.size, "disk_bytes": disk, "method": args.method, "mode": mode, "group_size": group_size,
+               "calibration": calibration, "peak_mib": run["peak_mib"], "seconds": round(run["seconds"]),
+               "decode": decode_check(output), "estimate_gib": run["estimate"],
+               "command": "python benchmarks/memory.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d")}
+        print(markdown_table(COLUMNS, [_cells(row)]), flush=True)
+        results[f"{args.size}/{args.method}/{mode}"] = row
+        shutil.rmtree(output, ignore_errors=True)
+    if args.no_write:
+        return
+    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    rows = sorted(results.values(), key=lambda r: (r["disk_bytes"], r["method"], r["mode"] != "stream"))
+    body = (f"Rows from `benchmarks/memory_results.json`, each measured by the command in its last column, on "
+            f"{cpu_name()}, OMP_NUM_THREADS=1. W4 of bf16 shards (g128; g64 for SmolLM2); peak RSS as the quantize "
+            f"process reports it (its VmHWM); \"RSS / disk\" against the bf16 size on disk; the decode check loads "
+            f"the output and decodes greedily through compound's loop.\n\n"
+            + markdown_table(COLUMNS, [_cells(r) for r in rows]))
     print(body)
-    if not args.no_write:
-        update_section("Quantizing models larger than memory", body)
+    update_section("Quantizing models larger than memory", body)
 
 
-COLUMNS = ["model", "bf16 on disk", "mode", "calibration", "peak RSS", "RSS / disk", "wall time", "decode check",
-           "estimate printed (GiB)"]
+def _cells(row: dict) -> list[str]:
+    return [row["model"], f"{row['disk_bytes'] / 1e9:.2f} GB", f"{row['method'].upper()}, {row['mode']}",
+            row["calibration"], f"{row['peak_mib']:.0f} MiB", f"{row['peak_mib'] * 2**20 / row['disk_bytes']:.2f}",
+            f"{row['seconds']} s", row["decode"], row["estimate_gib"], f"`{row['command']}` ({row['date']})"]
+
+
+COLUMNS = ["model", "bf16 on disk", "method, mode", "calibration", "peak RSS", "RSS / disk", "wall time",
+           "decode check", "estimate printed (GiB)", "command"]
 
 if __name__ == "__main__":
     main()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -40,9 +41,9 @@ class _RichProgress:
         self.progress.update(self.task, advance=1, description=f"layer {index} done")
 
 
-def _progress() -> Progress:
+def _progress(disable: bool = False) -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=False)
+                    console=console, transient=False, disable=disable)
 
 
 def _fail(err: Exception) -> None:
@@ -127,12 +128,16 @@ def quantize(
     try:
         config = make_config(method, bits=bits, group_size=group_size, sym=sym, seed=seed, skip=tuple(skip),
                              damp=damp, block_size=block_size, act_order=act_order)
-        with _progress() as bar:
+        rank = int(os.environ.get("RANK", "0"))  # under torchrun rank 0 reports, the others run quietly
+        with _progress(disable=rank > 0) as bar:
             result = run_quantize(model, config, output, CalibrationSpec(dataset, samples, seq_len), fmt=fmt,
                                   dtype=getattr(torch, DTYPES.get(dtype, "float16")), overwrite=overwrite,
-                                  trust_remote_code=trust_remote_code, progress=_RichProgress(bar),
+                                  trust_remote_code=trust_remote_code,
+                                  progress=_RichProgress(bar) if rank == 0 else None,
                                   kv_cache=kv_cache, kv_cache_strategy=kv_cache_strategy, stream=stream,
                                   offload_activations=offload_activations, batch_size=batch_size)
+        if rank > 0:
+            return
         table = Table(title=f"compound quantize: {method} W{bits} g{group_size}")
         table.add_column("measure")
         table.add_column("value", justify="right")

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit import __version__
-from toolkit import memory
+from toolkit import __version__, distributed, memory
 from toolkit.engine import Progress, capture_layer_inputs, check_widths, quantize_layers
 from toolkit.formats import awq as awq_format
 from toolkit.formats import compressed_tensors as ct_format
@@ -93,6 +92,11 @@ def quantize(
     offload_activations: keep the calibration activations between layers on disk (next to ``output``).
     batch_size: calibration sequences run through a layer at once (memory for one batch's attention and MLP).
 
+    Under ``torchrun`` (data parallel; RTN and GPTQ): every rank builds the same calibration batch and runs the
+    engine on its device over every world-th sequence of it; GPTQ's Hessians and the KV-cache absmax are reduced
+    over ranks (``toolkit.distributed``), so each rank quantizes with the whole batch's statistics, and rank 0
+    alone writes the checkpoint while the others wait for it.
+
     Steps: 1. refuse unsupported format settings and an existing output; 2. load the tokenizer and the model's
     shapes; 3. check group size against every linear; 4. estimate memory and refuse a run that cannot fit;
     5. load the model (whole, or only its embeddings when streamed); 6. build calibration tokens (methods that need
@@ -112,6 +116,9 @@ def quantize(
         raise ConfigError("--kv-cache needs the in-memory mode for now: run without --stream")
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
+    rank, world = distributed.join()
+    if world > 1:
+        _check_data_parallel(config, calibration, world)
     tokenizer = load_tokenizer(model_spec, trust_remote_code)  # 2
     skeleton = empty_model(model_spec, torch.float32, trust_remote_code)
     check_widths(skeleton, config)  # 3
@@ -136,10 +143,13 @@ def quantize(
             text_field=calibration.text_field,
         )
         calib_info = {**vars(calibration), "seed": config.seed, "fingerprint": fingerprint(tokens)}
+        tokens = tokens[rank::world]  # this rank's share
     packed: dict[str, dict[str, torch.Tensor]] = {}
+    writes = rank == 0
 
     def sink(name, qweight):
-        packed[name] = layout.pack(qweight, dtype)
+        if writes:
+            packed[name] = layout.pack(qweight, dtype)
 
     def run_layers(source=None):  # 7
         offload_dir = None
@@ -148,7 +158,8 @@ def quantize(
             offload_dir.mkdir(parents=True, exist_ok=True)
         weight_tokens = tokens if config.needs_activations else None
         return quantize_layers(model, config, driver_for(config.method), weight_tokens, sink, batch_size=batch_size,
-                               progress=progress, source=source, offload_dir=offload_dir)
+                               device=distributed.rank_device() if world > 1 else "cpu", progress=progress,
+                               source=source, offload_dir=offload_dir)
 
     quantization_config = layout.quantization_config(config)
 
@@ -163,23 +174,41 @@ def quantize(
             "layer_errors": {"measure": ERROR_MEASURES[config.method], "linears": errors},
         }
 
+    if stream and not writes:
+        errors = run_layers(StreamedLayers(model, shards, lambda index, layer: None))
+        distributed.barrier()  # rank 0 is writing the checkpoint
+        return _result(output, started, errors, plan)
     if stream:
         errors = _quantize_streamed(output, model, shards, tokenizer, packed, run_layers, dtype, overwrite,
                                     quantization_config, manifest)
+        distributed.barrier()
         return _result(output, started, errors, plan)
     errors = run_layers()
     kv_tensors, kv_info = {}, None
     if kv_cache:  # 8
         if progress:
             progress.step(f"calibrating {kv_cache} KV-cache scales")
-        amax = observe_kv_absmax(model, tokens, per_head=kv_cache_strategy == "attn_head")
+        amax = [(distributed.max_over_ranks(k), distributed.max_over_ranks(v))
+                for k, v in observe_kv_absmax(model, tokens, per_head=kv_cache_strategy == "attn_head")]
         kv_tensors = kv.checkpoint_tensors(amax, kv_cache, arch_spec(model).layers, dtype)
         kv_info = {"dtype": kv_cache, "strategy": kv_cache_strategy, "scale": f"amax / {kv.QMAX[kv_cache]:g}"}
         if fmt == ct_format.NAME:
             quantization_config["kv_cache_scheme"] = kv.kv_cache_scheme(kv_cache, kv_cache_strategy)
-    write_checkpoint(output, model, tokenizer, packed, quantization_config, manifest(errors, kv_info), dtype,  # 9
-                     overwrite, extra_tensors=kv_tensors)
+    if writes:
+        write_checkpoint(output, model, tokenizer, packed, quantization_config, manifest(errors, kv_info), dtype,  # 9
+                         overwrite, extra_tensors=kv_tensors)
+    distributed.barrier()
     return _result(output, started, errors, plan)
+
+
+def _check_data_parallel(config: WeightQuantConfig, calibration: CalibrationSpec, world: int) -> None:
+    """Refuse, before any work, what a torchrun quantize run cannot split over ``world`` ranks."""
+    if config.method not in ("rtn", "gptq"):
+        raise ConfigError(f"under torchrun compound quantizes with rtn or gptq; {config.method}'s search runs in one "
+                          "process: start it without torchrun")
+    if config.needs_activations and calibration.samples < world:
+        raise ConfigError(f"{calibration.samples} calibration sequences cannot be split over {world} ranks; use at "
+                          f"least {world} --samples")
 
 
 def _memory_plan(skeleton, config, samples, seq_len, stream, offload, batch_size,

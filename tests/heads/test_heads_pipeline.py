@@ -4,6 +4,7 @@ selection by accepted length, an export that reads back, and a rerun that resume
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from toolkit.cli import app
@@ -42,15 +43,15 @@ def test_pipeline_trains_selects_and_exports(tiny_llama_dir, tmp_path, one_threa
     import toolkit.heads.pipeline as pipeline
 
     calls = []
-    real = pipeline.cache_hidden_states
-    pipeline.cache_hidden_states = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    real = pipeline.write_hidden_shards
+    pipeline.write_hidden_shards = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
     try:
         longer = _job(tiny_llama_dir, tmp_path / "heads", overwrite=True,
                       train=TrainConfig(max_steps=6, batch_size=2, micro_batch_size=1, eval_every=2, save_every=2,
                                         warmup_steps=1))
         train_heads(longer, Console(quiet=True))
     finally:
-        pipeline.cache_hidden_states = real
+        pipeline.write_hidden_shards = real
     assert calls == []
     assert [json.loads(line)["step"] for line in (job.train_dir / "eval.jsonl").read_text().splitlines()] \
         == [2, 4, 6]
@@ -77,7 +78,8 @@ def test_cli_dry_run_shows_the_trained_tokens(tiny_llama_dir, tmp_path):
 
 
 def test_same_command_under_torchrun(tiny_llama_dir, tmp_path):
-    """Two gloo ranks: rank 0 prepares data and hidden states while rank 1 waits, both train, rank 0 exports."""
+    """Two gloo ranks: rank 0 prepares the data while rank 1 waits, each caches half of the hidden states (the cache
+    is the one-process cache), both train, rank 0 exports."""
     import os
     import shutil
     import socket
@@ -92,12 +94,26 @@ def test_same_command_under_torchrun(tiny_llama_dir, tmp_path):
                "--master_port", str(port), shutil.which("compound"), "train-heads", "--model", str(tiny_llama_dir),
                "-o", str(out), "--num-heads", "2", "--samples", "4", "--max-len", "96", "--distill-tokens", "6",
                "--dtype", "float32", "--steps", "2", "--batch-size", "2", "--micro-batch-size", "1",
-               "--eval-every", "2", "--save-every", "2", "--eval-prompts", "1", "--eval-tokens", "4"]
+               "--eval-every", "2", "--save-every", "2", "--eval-prompts", "1", "--eval-tokens", "4",
+               "--batch-tokens", "96"]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert load_medusa(out).config.num_heads == 2
     assert len((tmp_path / "heads.work" / "distill.jsonl").read_text().splitlines()) == 4
+    from rich.console import Console
+
+    from toolkit.heads.hidden_states import HiddenStateDataset
+    from toolkit.heads.pipeline import prepare
+
+    ranked = HiddenStateDataset(tmp_path / "heads.work" / "hidden")
+    assert {name.split("-")[1] for name in ranked.index["shards"]} == {"r000", "r001"}
+    (tmp_path / "one.work").mkdir()  # the same examples (the distilled answers), cached by one process
+    (tmp_path / "one.work" / "distill.jsonl").write_text((tmp_path / "heads.work" / "distill.jsonl").read_text())
+    _, one, _ = prepare(_job(tiny_llama_dir, tmp_path / "one", batch_tokens=96), Console(quiet=True))
+    assert [e["id"] for e in one.examples] == [e["id"] for e in ranked.examples]
+    for got, want in zip(ranked, one):
+        assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_online_mode_writes_no_cache(tiny_llama_dir, tmp_path, one_thread):
@@ -148,7 +164,6 @@ def test_cli_trains_and_validates_eagle_heads(tiny_llama_dir, tmp_path, one_thre
 def test_stream_target_caches_the_in_memory_states(tiny_llama_dir, tmp_path, one_thread):
     """--stream-target (one target layer at a time from the shards) writes the cache the in-memory target writes;
     it refuses what needs the whole target at once."""
-    import torch
     from rich.console import Console
 
     from toolkit.heads.pipeline import prepare
@@ -164,3 +179,15 @@ def test_stream_target_caches_the_in_memory_states(tiny_llama_dir, tmp_path, one
     for bad in (dict(self_distill=True), dict(self_distill=False, online=True)):
         with pytest.raises(ValueError, match="--stream-target"):
             _job(tiny_llama_dir, tmp_path / "x", stream_target=True, **bad)
+
+
+def test_target_larger_than_memory_is_refused_naming_stream_target(tiny_llama_dir, tmp_path, monkeypatch):
+    from rich.console import Console
+
+    from toolkit import memory
+    from toolkit.heads.pipeline import prepare
+
+    monkeypatch.setattr(memory, "available_memory", lambda: 10_000)  # bytes: less than the tiny target's weights
+    with pytest.raises(memory.MemoryLimitError, match="--stream-target --dataset-answers"):
+        prepare(_job(tiny_llama_dir, tmp_path / "heads"), Console(quiet=True))
+    assert not (tmp_path / "heads.work" / "hidden").exists()

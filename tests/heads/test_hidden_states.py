@@ -121,3 +121,24 @@ def test_refuses_existing_cache_and_bad_states(model, tmp_path):
 def test_size_estimate():
     assert hs.cache_bytes(1000, 576) == 1000 * (576 * 2 + 9)
     assert hs.cache_bytes(10, 8, layers=3, dtype=torch.float32) == 10 * (8 * 3 * 4 + 9)
+
+
+def test_ranks_write_their_shares_and_one_finishes(model, tmp_path):
+    """What torchrun ranks do (here one after the other): each writes every world-th batch; the index then covers
+    every example, and the cache reads back as the one-process cache."""
+    examples = _examples(9)
+    settings = dict(layers=(1, -1), dtype=torch.float32, batch_tokens=48, shard_bytes=1, progress=False)
+    reference = hs.cache_hidden_states(model, examples, tmp_path / "one", **settings)
+    hs.write_hidden_shards(model, examples, tmp_path / "ranks", rank=1, world=3, **settings)
+    with pytest.raises(hs.HiddenStateError, match="rerun to finish"):
+        hs.finish_hidden_cache(tmp_path / "ranks", examples, (1, -1), 64, dtype=torch.float32)
+    for rank in (0, 2):
+        hs.write_hidden_shards(model, examples, tmp_path / "ranks", rank=rank, world=3, **settings)
+    with pytest.raises(hs.HiddenStateError, match="number of processes"):
+        hs.write_hidden_shards(model, examples, tmp_path / "ranks", rank=0, world=2, **settings)
+    cache = hs.finish_hidden_cache(tmp_path / "ranks", examples, (1, -1), 64, dtype=torch.float32)
+    shards = cache.index["shards"]
+    assert {name.split("-")[1] for name in shards} == {"r000", "r001", "r002"}
+    assert [e["id"] for e in cache.examples] == [e.id for e in examples]
+    for got, want in zip(cache, reference):
+        assert all(torch.equal(got[k], want[k]) for k in want)

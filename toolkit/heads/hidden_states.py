@@ -13,8 +13,10 @@ Cache layout (a directory, written in ``<dir>.partial`` and renamed when complet
     shard-00000.safetensors  per example i: "{i}.hidden" [T, D] (or [T, n_layers, D]), "{i}.input_ids" [T] int64,
                               "{i}.loss_mask" [T] bool
 
-Shards are written whole (temp file, then rename) and recorded in ``<dir>.partial/progress.json``, so an interrupted
-run resumes after its last complete shard. Reading is lazy: ``HiddenStateDataset[i]`` opens one shard at a time.
+Shards are written whole (temp file, then rename) and recorded in ``<dir>.partial/progress-<rank>.json``, so an
+interrupted run resumes after its last complete shard. Under torchrun each rank writes the batches of its share
+(``shard-r<rank>-<n>.safetensors``) and one rank then writes the index (``finish_hidden_cache``). Reading is lazy:
+``HiddenStateDataset[i]`` opens one shard at a time.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from toolkit.heads.streamed_target import StreamedTarget
 
 INDEX = "index.json"
 FORMAT = "compound-hidden-states"
-_PROGRESS = "progress.json"
+_PROGRESS = "progress-{rank}.json"
 
 
 class HiddenStateError(ValueError):
@@ -81,8 +83,23 @@ def cache_hidden_states(model: nn.Module, examples: Sequence[Example], out_dir: 
     """Run ``model`` over ``examples`` and write their hidden states to ``out_dir``; return the dataset reading it.
 
     batch_tokens: padded tokens per forward. shard_bytes: target shard size. target: what to record about the model
-    (name, hash) in the index. An interrupted run resumes from ``<out_dir>.partial``.
+    (name, hash) in the index. An interrupted run resumes from ``<out_dir>.partial``. One process; under torchrun
+    every rank calls ``write_hidden_shards`` for its share and one then calls ``finish_hidden_cache``.
     """
+    write_hidden_shards(model, examples, out_dir, layers=layers, dtype=dtype, batch_tokens=batch_tokens,
+                        shard_bytes=shard_bytes, progress=progress)
+    hidden_size = model.get_input_embeddings().weight.shape[1]
+    return finish_hidden_cache(out_dir, examples, layers, hidden_size, dtype=dtype, target=target)
+
+
+def write_hidden_shards(model: nn.Module, examples: Sequence[Example], out_dir: Path, *,
+                        layers: Sequence[int] = (-1,), dtype: torch.dtype = torch.bfloat16, batch_tokens: int = 4096,
+                        shard_bytes: int = 512 * 2**20, rank: int = 0, world: int = 1,
+                        progress: bool = True) -> None:
+    """Write this rank's share of the hidden states into ``<out_dir>.partial``: the examples are sorted by length
+    and cut into batches of at most ``batch_tokens`` padded tokens (the same batches on every rank), and rank r
+    computes batches r, r + world, ... Shards and their record (``progress-<rank>.json``) are written whole, so a
+    rerun with the same ranks resumes after each rank's last complete shard."""
     out_dir = Path(out_dir)
     if (out_dir / INDEX).exists():
         raise FileExistsError(f"{out_dir} already holds a hidden-state cache; remove it or choose another directory")
@@ -90,25 +107,21 @@ def cache_hidden_states(model: nn.Module, examples: Sequence[Example], out_dir: 
         raise HiddenStateError("no examples to compute hidden states for")
     partial = out_dir.with_name(out_dir.name + ".partial")
     partial.mkdir(parents=True, exist_ok=True)
-    settings = {"layers": list(layers), "dtype": str(dtype).removeprefix("torch."), "ids": [e.id for e in examples]}
-    done = _read_progress(partial, settings)
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i].input_ids))  # similar lengths batch together
-    start = sum(len(s["examples"]) for s in done["shards"])
+    settings = {"layers": list(layers), "dtype": str(dtype).removeprefix("torch."), "ids": [e.id for e in examples],
+                "batch_tokens": batch_tokens, "world": world}
+    done = _read_progress(partial, settings, rank)
+    mine = _batches(examples, batch_tokens)[rank::world]
+    finished = sum(len(s["examples"]) for s in done["shards"])
+    while finished:  # shards end at batch boundaries
+        finished -= len(mine.pop(0))
 
     from rich.progress import Progress
 
-    total_tokens = sum(len(examples[i].input_ids) for i in order)
     with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("hidden states", total=total_tokens,
-                            completed=sum(len(examples[i].input_ids) for i in order[:start]))
+        task = bar.add_task("hidden states", total=sum(len(examples[i].input_ids) for b in mine for i in b))
         shard: dict[str, torch.Tensor] = {}
         shard_examples: list[int] = []
-        n = start
-        while n < len(order):
-            batch_ids = [order[n]]
-            while (n + len(batch_ids) < len(order) and
-                   (len(batch_ids) + 1) * len(examples[order[n + len(batch_ids)]].input_ids) <= batch_tokens):
-                batch_ids.append(order[n + len(batch_ids)])
+        for n, batch_ids in enumerate(mine):
             batch = [examples[i] for i in batch_ids]
             hidden = target_hidden_states(model, _padded(batch), layers).to("cpu", dtype)
             for row, (i, example) in enumerate(zip(batch_ids, batch)):
@@ -117,50 +130,76 @@ def cache_hidden_states(model: nn.Module, examples: Sequence[Example], out_dir: 
                 shard[f"{i}.input_ids"] = example.input_ids.to(torch.long).contiguous()
                 shard[f"{i}.loss_mask"] = example.loss_mask.to(torch.bool).contiguous()
                 shard_examples.append(i)
-            n += len(batch_ids)
             bar.advance(task, sum(len(e.input_ids) for e in batch))
-            if sum(t.numel() * t.element_size() for t in shard.values()) >= shard_bytes or n == len(order):
-                _write_shard(partial, done, shard, shard_examples, settings)
+            if sum(t.numel() * t.element_size() for t in shard.values()) >= shard_bytes or n == len(mine) - 1:
+                _write_shard(partial, done, shard, shard_examples, rank, world)
                 shard, shard_examples = {}, []
 
-    hidden_size = model.get_input_embeddings().weight.shape[1]
-    example_shard = {i: s["file"] for s in done["shards"] for i in s["examples"]}
+
+def finish_hidden_cache(out_dir: Path, examples: Sequence[Example], layers: Sequence[int], hidden_size: int, *,
+                        dtype: torch.dtype = torch.bfloat16, target: dict | None = None) -> HiddenStateDataset:
+    """Move every rank's shards from ``<out_dir>.partial`` into ``out_dir`` with the index, once all are written;
+    refuses a partial cache that misses examples (a rank that has not finished)."""
+    out_dir = Path(out_dir)
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    records = [json.loads(path.read_text()) for path in sorted(partial.glob(_PROGRESS.format(rank="*")))]
+    shards = [s for record in records for s in record["shards"]]
+    example_shard = {i: s["file"] for s in shards for i in s["examples"]}
+    if len(example_shard) != len(examples):
+        raise HiddenStateError(f"{partial} holds hidden states of {len(example_shard)} of {len(examples)} examples; "
+                               "rerun to finish it")
     index = {
         "format": FORMAT, "version": 1, "layers": list(layers), "hidden_size": hidden_size,
-        "dtype": settings["dtype"], "tokens": total_tokens, "shards": [s["file"] for s in done["shards"]],
+        "dtype": str(dtype).removeprefix("torch."), "tokens": sum(len(e.input_ids) for e in examples),
+        "shards": [s["file"] for s in shards],
         "examples": [{"id": e.id, "shard": example_shard[i], "length": len(e.input_ids)}
                      for i, e in enumerate(examples)],
         "target": target or {},
     }
     with atomic_directory(out_dir, overwrite=True) as staging:
-        for s in done["shards"]:
+        for s in shards:
             os.replace(partial / s["file"], staging / s["file"])
         (staging / INDEX).write_text(json.dumps(index, indent=1))
     _remove(partial)
     return HiddenStateDataset(out_dir)
 
 
-def _read_progress(partial: Path, settings: dict) -> dict:
-    path = partial / _PROGRESS
+def _batches(examples: Sequence[Example], batch_tokens: int) -> list[list[int]]:
+    """Example indices sorted by length (similar lengths pad little), cut into batches of at most ``batch_tokens``
+    padded tokens (an example longer than that is a batch of its own)."""
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i].input_ids))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * len(examples[i].input_ids) <= batch_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def _read_progress(partial: Path, settings: dict, rank: int) -> dict:
+    path = partial / _PROGRESS.format(rank=rank)
     if not path.exists():
         return {"settings": settings, "shards": []}
     done = json.loads(path.read_text())
     if done["settings"] != settings:
-        raise HiddenStateError(f"{partial} holds an interrupted run with other examples, layers or dtype; "
-                               "remove it to start over")
+        raise HiddenStateError(f"{partial} holds an interrupted run with other examples, layers, dtype, batches or "
+                               "number of processes; rerun it as it was, or remove it to start over")
     return done
 
 
-def _write_shard(partial: Path, done: dict, tensors: dict[str, torch.Tensor], example_ids: list[int],
-                 settings: dict) -> None:
-    name = f"shard-{len(done['shards']):05d}.safetensors"
+def _write_shard(partial: Path, done: dict, tensors: dict[str, torch.Tensor], example_ids: list[int], rank: int,
+                 world: int) -> None:
+    count = len(done["shards"])
+    name = f"shard-{count:05d}.safetensors" if world == 1 else f"shard-r{rank:03d}-{count:05d}.safetensors"
     tmp = partial / f".{name}.tmp"
     save_file(tensors, str(tmp))
     os.replace(tmp, partial / name)
     done["shards"].append({"file": name, "examples": example_ids})
-    tmp = partial / f".{_PROGRESS}.tmp"
+    record = partial / _PROGRESS.format(rank=rank)
+    tmp = partial / f".{record.name}.tmp"
     tmp.write_text(json.dumps(done))
-    os.replace(tmp, partial / _PROGRESS)
+    os.replace(tmp, record)
 
 
 def _remove(partial: Path) -> None:

@@ -32,14 +32,15 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
+from toolkit import distributed
 from toolkit.formats.checkpoint import sha256_file
 from toolkit.heads import acceptance
 from toolkit.heads.data import build_examples, check_trainable, self_distill, show_example
 from toolkit.heads.eagle import EagleHead, default_aux_layers, draft_vocabulary, eagle3_loss, eagle_loss
 from toolkit.heads.eagle_draft import TreeShape
 from toolkit.heads.export import export_medusa, load_medusa
-from toolkit.heads.hidden_states import (HiddenStateDataset, OnlineHiddenStates, cache_bytes, cache_hidden_states,
-                                         INDEX)
+from toolkit.heads.hidden_states import (INDEX, HiddenStateDataset, OnlineHiddenStates, cache_bytes,
+                                         finish_hidden_cache, write_hidden_shards)
 from toolkit.heads.medusa import MedusaHeads, medusa_loss
 from toolkit.heads.train import TrainConfig, train
 from toolkit.runtime.load import load_model_or_checkpoint
@@ -172,7 +173,12 @@ def _examples(job: HeadsJob, model, tokenizer):
 
 def prepare(job: HeadsJob, console: Console, dry_run: bool = False):
     """Phases 1-2: examples and hidden states (or the online source); with ``dry_run`` only shows one example of the
-    dataset's own conversations (no model is loaded)."""
+    dataset's own conversations (no model is loaded).
+
+    Under torchrun rank 0 builds the examples first (self-distillation writes ``distill.jsonl``) while the others
+    wait and then read them back; every rank then caches its share of the hidden states on its own device, and rank
+    0 writes the index once all are done.
+    """
     if dry_run:
         from toolkit.calibration.render import train_records
         from toolkit.models import load_tokenizer
@@ -182,14 +188,21 @@ def prepare(job: HeadsJob, console: Console, dry_run: bool = False):
         check_trainable(examples)
         show_example(console, tokenizer, examples[0])
         return examples, None, None
+    rank, world = distributed.join()
+    if rank > 0:
+        distributed.barrier()  # rank 0's examples first
     if job.stream_target:
         from toolkit.heads.streamed_target import StreamedTarget
         from toolkit.models import load_tokenizer
 
         model, tokenizer = StreamedTarget(job.model, getattr(torch, job.dtype)), load_tokenizer(job.model)
     else:
+        _check_target_fits(job.model, getattr(torch, job.dtype))
         model, tokenizer = load_model_or_checkpoint(job.model, getattr(torch, job.dtype))
+        model.to(distributed.rank_device())
     examples = _examples(job, model, tokenizer)
+    if rank == 0:
+        distributed.barrier()
     tokens = sum(len(e.input_ids) for e in examples)
     hidden_size = model.get_input_embeddings().weight.shape[1]
     layers = job.hidden_layers(model.config.num_hidden_layers)
@@ -197,16 +210,20 @@ def prepare(job: HeadsJob, console: Console, dry_run: bool = False):
                         "hidden-" + "-".join("final" if i == -1 else str(i) for i in layers))
     console.print(f"{len(examples)} examples, {tokens:,} tokens ({sum(int(e.loss_mask.sum()) for e in examples):,} "
                   f"trained); hidden-state cache {cache_bytes(tokens, hidden_size, len(layers)) / 2**20:,.0f} MiB"
-                  + (" (not written: --online)" if job.online else f" in {cache}"))
+                  + (" (not written: --online)" if job.online else f" in {cache}")
+                  + (f", written by {world} ranks" if world > 1 and not job.online else ""))
     if job.online:
         return examples, OnlineHiddenStates(model, examples, layers), model
-    if (cache / INDEX).exists():
-        data = HiddenStateDataset(cache)
-        if [e["id"] for e in data.examples] != [e.id for e in examples] or data.layers != layers:
-            raise ValueError(f"{cache} holds hidden states of other examples; remove it or use another --work-dir")
-    else:
-        data = cache_hidden_states(model, examples, cache, layers=layers, target=target_identity(job.model),
-                                   batch_tokens=job.batch_tokens)
+    if not (cache / INDEX).exists():
+        write_hidden_shards(model, examples, cache, layers=layers, batch_tokens=job.batch_tokens, rank=rank,
+                            world=world, progress=rank == 0)
+        distributed.barrier()
+        if rank == 0:
+            finish_hidden_cache(cache, examples, layers, hidden_size, target=target_identity(job.model))
+        distributed.barrier()
+    data = HiddenStateDataset(cache)
+    if [e["id"] for e in data.examples] != [e.id for e in examples] or data.layers != layers:
+        raise ValueError(f"{cache} holds hidden states of other examples; remove it or use another --work-dir")
     del model
     return examples, data, None
 
@@ -218,12 +235,8 @@ def train_heads(job: HeadsJob, console: Console, dry_run: bool = False) -> Heads
     if job.output.exists() and not job.overwrite:
         raise FileExistsError(f"{job.output} already exists; pass --overwrite to replace it")
     started = time.perf_counter()
-    rank = _join_process_group()
-    if rank > 0:  # under torchrun rank 0 prepares first; the others then find its data and cache and reuse them
-        _barrier()
+    rank, _ = distributed.join()
     examples, data, online_model = prepare(job, console if rank == 0 else Console(quiet=True), dry_run)
-    if rank == 0:
-        _barrier()
     tokens = sum(len(e.input_ids) for e in examples)
     trained = sum(int(e.loss_mask.sum()) for e in examples)
     if dry_run:
@@ -323,23 +336,19 @@ def _head_for(job: HeadsJob, target, examples, console: Console | None):
     return head, loss_fn, eagle3_count, measure
 
 
-def _join_process_group() -> int:
-    """This process's rank; under torchrun the process group is joined here (the training loop then uses it)."""
-    import os
-    from datetime import timedelta
+def _check_target_fits(spec: str, dtype: torch.dtype) -> None:
+    """Refuse, before loading it, a float safetensors target larger than the memory available, naming
+    ``--stream-target``."""
+    from toolkit import memory
+    from toolkit.models import empty_model
+    from toolkit.shards import is_safetensors_dir
 
-    import torch.distributed as dist
-
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return 0
-    if not dist.is_initialized():
-        # rank 0 may spend hours on data and hidden states while the others wait at a barrier
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(hours=12))
-    return dist.get_rank()
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
+    if not is_safetensors_dir(spec) or (Path(spec).expanduser() / "compound.json").exists():
+        return
+    needed = sum(p.numel() for p in empty_model(spec, dtype).parameters()) * dtype.itemsize
+    available = memory.available_memory()
+    if available is not None and needed > available:
+        raise memory.MemoryLimitError(
+            f"the target {spec} needs about {needed / memory.GiB:.1f} GiB in {str(dtype).removeprefix('torch.')} but "
+            f"{available / memory.GiB:.1f} GiB is available; cache its hidden states one layer at a time with "
+            "--stream-target --dataset-answers")

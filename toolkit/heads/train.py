@@ -46,6 +46,7 @@ import torch.distributed as dist
 from rich.progress import Progress, TextColumn
 from torch import nn
 
+from toolkit import distributed
 from toolkit.formats.checkpoint import atomic_directory
 
 LossFn = Callable[[nn.Module, dict], tuple[torch.Tensor, int, dict[str, float]]]
@@ -178,16 +179,12 @@ def train(model: nn.Module, loss_fn: LossFn, train_data: Sequence[dict[str, torc
     if stop_after is not None and stop_after < 1:
         raise ValueError(f"stop_after must be >= 1, got {stop_after}")
     started = time.perf_counter()
-    rank, world, device, created_group = _join_process_group(model)
-    try:
-        if config.batch_size % (config.micro_batch_size * world):
-            raise ValueError(f"batch_size must be a multiple of micro_batch_size × world size ({config.batch_size} % "
-                             f"({config.micro_batch_size} × {world}) != 0); change batch_size or micro_batch_size")
-        state = _run(model, loss_fn, train_data, config, Path(out_dir), eval_fn, count_fn, resume, progress,
-                     stop_after, rank, world, device)
-    finally:
-        if created_group:
-            dist.destroy_process_group()
+    rank, world, device = _join_process_group(model)
+    if config.batch_size % (config.micro_batch_size * world):
+        raise ValueError(f"batch_size must be a multiple of micro_batch_size × world size ({config.batch_size} % "
+                         f"({config.micro_batch_size} × {world}) != 0); change batch_size or micro_batch_size")
+    state = _run(model, loss_fn, train_data, config, Path(out_dir), eval_fn, count_fn, resume, progress, stop_after,
+                 rank, world, device)
     return TrainResult(state["step"], state["last_metrics"], state["best_step"], state["best_metrics"], Path(out_dir),
                        time.perf_counter() - started)
 
@@ -365,19 +362,15 @@ def _evaluate_and_select(model, eval_fn, config, out_dir, state, rank, world, de
                              out_dir / "best.pt")
 
 
-def _join_process_group(model: nn.Module) -> tuple[int, int, torch.device, bool]:
-    """(rank, world size, device, whether this call created the process group). Under torchrun on CUDA each rank
-    takes cuda:LOCAL_RANK; otherwise the model stays on its device."""
+def _join_process_group(model: nn.Module) -> tuple[int, int, torch.device]:
+    """(rank, world size, device). Under torchrun (``toolkit.distributed.join``) on CUDA each rank takes
+    cuda:LOCAL_RANK; otherwise the model stays on its device."""
+    rank, world = distributed.join()
     device = next(model.parameters()).device
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not dist.is_initialized():
-        return 0, 1, device, False
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    if dist.get_backend() == "nccl":
+    if world > 1 and dist.get_backend() == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    return dist.get_rank(), dist.get_world_size(), device, created
+    return rank, world, device
 
 
 def _rng_state(device: torch.device) -> dict:

@@ -5,13 +5,16 @@ Linears that read the same tensor (q/k/v; gate/up) share one Hessian, accumulate
 freed as soon as its factor exists: at K = 8192 each K×K matrix is 268 MB). With ``true_sequential``
 the groups are taken in execution order and each group's Hessian is collected after the previous groups were
 quantized and written back, so o_proj is fitted to the inputs the quantized q/k/v produce (as in the reference
-``--true-sequential``). Without it, one pass collects every Hessian from the float layer.
+``--true-sequential``). Without it, one pass collects every Hessian from the float layer. Under torchrun each rank
+accumulates over its share of the calibration batches and the Hessians are averaged over ranks (weighted by tokens)
+before factoring, so every rank quantizes with the whole batch's Hessian.
 """
 
 from __future__ import annotations
 
 import torch
 
+from toolkit.distributed import mean_over_ranks
 from toolkit.engine import ActivationError, LayerSession
 from toolkit.quant.gptq import HessianAccumulator, HessianFactor, gptq_factored, hessian_factor
 from toolkit.quant.primitives import QuantizedWeight
@@ -56,6 +59,7 @@ def _hessians(session: LayerSession, groups: list[list[str]]) -> dict[str, torch
 
     session.collect_linear_inputs(accumulators, on_input)
     for name, acc in accumulators.items():
+        acc.H, acc.tokens = mean_over_ranks(acc.H, acc.tokens)  # under torchrun each rank saw its share of batches
         if acc.tokens == 0:
             raise RuntimeError(f"{name} of decoder layer {session.index} saw no calibration tokens")
     return {name: acc.H for name, acc in accumulators.items()}
