@@ -58,15 +58,24 @@ def mean_over_ranks(mean: torch.Tensor, count: int) -> tuple[torch.Tensor, int]:
     in place, and their total count)."""
     if not dist.is_initialized():
         return mean, count
-    total = torch.tensor([float(count)], dtype=torch.float64, device=mean.device)
-    dist.all_reduce(total)
-    mean.mul_(count)
-    dist.all_reduce(mean)
+    total = torch.tensor([float(count)], dtype=torch.float64)
+    _all_reduce(total, dist.ReduceOp.SUM)
+    _all_reduce(mean.mul_(count), dist.ReduceOp.SUM)
     return mean.div_(total.item()), int(total.item())
 
 
 def max_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
     """Element-wise maximum over ranks, in place."""
     if dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        _all_reduce(tensor, dist.ReduceOp.MAX)
     return tensor
+
+
+def _all_reduce(tensor: torch.Tensor, op) -> None:
+    """All-reduce in place; through this rank's GPU when the backend (NCCL) cannot reduce host tensors."""
+    if dist.get_backend() == "nccl" and tensor.device.type != "cuda":
+        on_device = tensor.to(rank_device())
+        dist.all_reduce(on_device, op=op)
+        tensor.copy_(on_device)
+    else:
+        dist.all_reduce(tensor, op=op)

@@ -240,3 +240,23 @@ def test_every_width(bits, sym):
     assert qw.scale.dtype == torch.float32 and qw.zero.dtype == torch.int32 and qw.g_idx.dtype == torch.int32
     assert loss > 0
     assert output_error(W, qw.dequantize(), X) < output_error(W, quantize_rtn(W, bits, 32, sym).dequantize(), X)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_one_factor_serves_every_linear_of_a_group(act_order):
+    """The driver factors a shared Hessian once for q/k/v (gate/up): quantizing with it leaves it unchanged, and
+    each linear gets exactly what a factorization of its own gives; the Hessian itself is not modified."""
+    from toolkit.quant.gptq import gptq_factored, hessian_factor
+
+    X = correlated_inputs(256, 64, seed=3)
+    H = hessian(X)
+    before = H.clone()
+    factor = hessian_factor(H, 0.01, act_order)
+    kept = factor.reversed_inverse.clone()
+    for seed in range(3):
+        W = torch.randn(24 + 8 * seed, 64, generator=torch.Generator().manual_seed(seed))
+        shared, shared_loss = gptq_factored(W, factor, 4, 16, False, block_size=24)
+        own, own_loss = gptq_quantize(W, H, 4, 16, False, block_size=24, act_order=act_order)
+        assert torch.equal(shared.codes, own.codes) and torch.equal(shared.scale, own.scale)
+        assert torch.equal(shared.g_idx, own.g_idx) and shared_loss == own_loss
+    assert torch.equal(factor.reversed_inverse, kept) and torch.equal(H, before)

@@ -199,7 +199,8 @@ def prepare(job: HeadsJob, console: Console, dry_run: bool = False):
     else:
         _check_target_fits(job.model, getattr(torch, job.dtype))
         model, tokenizer = load_model_or_checkpoint(job.model, getattr(torch, job.dtype))
-        model.to(distributed.rank_device())
+        if not _is_quantized(model):  # compound's int4 linears stay on the device their loader chose
+            model.to(distributed.rank_device())
     examples = _examples(job, model, tokenizer)
     if rank == 0:
         distributed.barrier()
@@ -334,6 +335,12 @@ def _head_for(job: HeadsJob, target, examples, console: Console | None):
         return int((in_vocab[batch["input_ids"]] & batch["loss_mask"])[:, 2:].sum())
 
     return head, loss_fn, eagle3_count, measure
+
+
+def _is_quantized(model: torch.nn.Module) -> bool:
+    from toolkit.runtime.quant_linear import QuantLinear
+
+    return any(isinstance(module, QuantLinear) for module in model.modules())
 
 
 def _check_target_fits(spec: str, dtype: torch.dtype) -> None:
