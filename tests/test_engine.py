@@ -4,7 +4,8 @@ import torch
 from conftest import tiny_model
 from toolkit.engine import ActivationError, quantize_layers
 from toolkit.methods import driver_for
-from toolkit.quant.configs import ConfigError, RTNConfig
+from toolkit.engine import LayerSession
+from toolkit.quant.configs import ConfigError, GPTQConfig, RTNConfig
 from toolkit.quant.primitives import quantize_rtn
 
 
@@ -46,3 +47,51 @@ def test_nan_activations_are_named():
 
     with pytest.raises(ActivationError, match="NaN or infinite activations after the embeddings"):
         quantize_layers(model, CalibratedRTN(group_size=32), lambda session: {}, tokens, lambda *a: None)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma"])
+def test_gptq_replay_gives_the_same_weights_without_recomputing_attention(arch, monkeypatch):
+    """True-sequential GPTQ keeps o_proj's and down_proj's inputs and runs attention and the MLP as those linears in
+    the later passes and the final forward: same codes, scales and next-layer inputs as recomputing them."""
+    tokens = torch.randint(0, 128, (6, 16), generator=torch.Generator().manual_seed(0))
+    config = GPTQConfig(group_size=32)
+    calls = {"attention": 0}
+
+    def run(replay):
+        model = tiny_model(arch, vocab=128)
+        for layer in model.model.layers:
+            # q_proj computes only when attention is really recomputed (a replaced parent still runs its hooks)
+            layer.self_attn.q_proj.register_forward_hook(lambda *a: calls.__setitem__("attention", calls["attention"] + 1))
+        if not replay:
+            monkeypatch.setattr(LayerSession, "trace_replayable", lambda self: {})
+        sunk = {}
+        calls["attention"] = 0
+        quantize_layers(model, config, driver_for("gptq"), tokens, sunk.__setitem__, batch_size=4)
+        monkeypatch.undo()
+        return sunk, model, calls["attention"]
+
+    replayed, replayed_model, replayed_calls = run(True)
+    recomputed, recomputed_model, recomputed_calls = run(False)
+    assert sorted(replayed) == sorted(recomputed)
+    for name in replayed:
+        assert torch.equal(replayed[name].codes, recomputed[name].codes), name
+        assert torch.equal(replayed[name].scale, recomputed[name].scale), name
+    logits = [m(tokens).logits for m in (replayed_model, recomputed_model)]
+    assert torch.equal(*logits)
+    # per layer and batch: recomputed, q_proj runs in the passes for o, gate/up and down and in the final forward
+    # (the pass for q/k/v stops as q_proj is entered); replayed only in the pass for o. Plus one traced batch for
+    # the groups, and one for replay.
+    layers, batches = len(replayed_model.model.layers), 2
+    assert recomputed_calls == 4 * layers * batches + 1
+    assert replayed_calls == layers * batches + 1 + 1
+
+
+def test_replay_needs_a_parent_whose_output_is_the_linear_output():
+    model = tiny_model("llama", vocab=128)
+    tokens = torch.randint(0, 128, (2, 8))
+    from toolkit.engine import capture_layer_inputs
+    from toolkit.models import layer_linears
+    layer = model.model.layers[0]
+    session = LayerSession(0, layer, capture_layer_inputs(model, tokens, 2), GPTQConfig(group_size=32),
+                           layer_linears(layer))
+    assert session.trace_replayable() == {"self_attn.o_proj": ("self_attn", 2), "mlp.down_proj": ("mlp", 0)}

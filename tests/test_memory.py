@@ -29,6 +29,7 @@ def test_streamed_gptq_estimate_by_hand(skeleton):
         "embeddings": (16384 + 64) * 4,
         "activations": 2 * 16 * 32 * 64 * 4,  # inputs and outputs of a layer: samples × seq_len × hidden, float32
         "forward": 8 * 32 * (3 * 128 + 2 * 4 * 32) * 4 + 3 * 8192 * 4,  # a batch's MLP ×3, scores ×2; a linear ×3
+        "replay inputs": 16 * 32 * (64 + 128) * 4,  # o_proj's and down_proj's inputs, kept (true-sequential)
         "hessians": 3 * 128**2 * 4,  # widest input (down_proj, 128)
         "output": 2 * 25344,
     }
@@ -40,6 +41,7 @@ def test_in_memory_and_offloaded_estimates(skeleton):
     assert in_memory.parts == {"runtime": 512 * MiB, "float model": 106816 * 4, "output": 2 * 2 * 25344}
     offloaded = memory.estimate(skeleton, GPTQConfig(group_size=32), 128, 32, streamed=True, offload=True)
     assert offloaded.parts["activations"] == 2 * 8 * 32 * 64 * 4  # one batch of 8
+    assert "replay inputs" not in offloaded.parts  # activations on disk: nothing is kept for replay
 
 
 def test_refusal_names_the_way_out(skeleton):

@@ -11,6 +11,12 @@ Only the current layer needs to sit on the compute device, and only the current 
 from safetensors shards; the default does nothing, for a model already in memory). With ``offload_dir`` the
 activations between layers live on disk (``toolkit.offload``). The engine knows no quantization algorithm: a driver
 is any ``LayerDriver`` callable, looked up by method name.
+
+Replay: a linear whose output is its parent module's whole output (o_proj of the attention block, down_proj of the
+MLP) can stand in for that parent. A driver that quantizes in execution order (GPTQ, true-sequential) keeps such a
+linear's inputs once everything before it is final (``collect_linear_inputs(..., keep=True)``); later passes and
+the final forward then run the parent as that one linear on its kept inputs, instead of recomputing attention or
+the MLP. Same numbers, a fraction of the work.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ class LayerSession:
 
     ``groups``: the linears grouped by shared input in execution order (traced once, on the first layer).
     ``errors`` collects one number per linear (the driver's own measure of quantization error) for the report.
+    ``replayable``: linear name → (parent module name, the parent's output arity: 0 for the bare tensor, n for a
+    tuple whose first item is the linear's output and the rest None); traced once, like ``groups``.
     """
 
     index: int
@@ -65,6 +73,8 @@ class LayerSession:
     groups: list[list[str]] = field(default_factory=list)
     errors: dict[str, float] = field(default_factory=dict)
     arch: ArchSpec | None = None
+    replayable: dict[str, tuple[str, int]] = field(default_factory=dict)
+    kept: dict[str, tuple[LayerInputs, list[torch.Tensor]]] = field(default_factory=dict, repr=False)
 
     def collect(
         self,
@@ -93,28 +103,75 @@ class LayerSession:
             self.layer.get_submodule(n).register_forward_pre_hook(make_hook(n), with_kwargs=True) for n in names
         ]
         try:
-            for hidden, kwargs in itertools.islice(zip(self.inputs.hidden, self.inputs.kwargs), batches):
-                pending.update(names)
-                try:
-                    self.layer(hidden, **kwargs)
-                except _Stop:
-                    pass
+            with self._replaying() as batch_index:
+                for b, (hidden, kwargs) in enumerate(itertools.islice(zip(self.inputs.hidden, self.inputs.kwargs),
+                                                                       batches)):
+                    batch_index[0] = b
+                    pending.update(names)
+                    try:
+                        self.layer(hidden, **kwargs)
+                    except _Stop:
+                        pass
         finally:
             for h in handles:
                 h.remove()
 
-    def collect_linear_inputs(self, names: Iterable[str], on_input: Callable[[str, torch.Tensor], None]) -> None:
-        """Like ``collect`` for linears: ``on_input(name, X)`` with X flattened to [tokens, in_features]."""
-        self.collect(names, lambda name, args, kwargs: on_input(name, args[0].reshape(-1, args[0].shape[-1])))
+    def collect_linear_inputs(
+        self, names: Iterable[str], on_input: Callable[[str, torch.Tensor], None], keep: bool = False
+    ) -> None:
+        """Like ``collect`` for linears: ``on_input(name, X)`` with X flattened to [tokens, in_features].
+
+        keep: also keep, per batch, the inputs of the replayable linears among ``names``, so that later passes run
+        their parents as those linears alone. Only valid while nothing that runs before them changes: the caller
+        promises that the layer's weights up to these linears are final. Ignored for activations on disk."""
+        names = list(names)
+        keeping = [n for n in names if keep and n in self.replayable and isinstance(self.inputs.hidden, list)]
+        fresh: dict[str, list[torch.Tensor]] = {n: [] for n in keeping}
+
+        def seen(name, args, kwargs):
+            if name in fresh:
+                fresh[name].append(args[0])
+            on_input(name, args[0].reshape(-1, args[0].shape[-1]))
+
+        self.collect(names, seen)
+        # a linear run more than once per forward cannot stand in for its parent
+        self.kept.update({n: (self.inputs, xs) for n, xs in fresh.items() if len(xs) == len(self.inputs.hidden)})
+
+    @contextlib.contextmanager
+    def _replaying(self):
+        """While active, each parent of a kept linear runs as that linear on the current batch's kept input (the
+        batch index is the yielded one-item list, set by the caller)."""
+        batch_index = [0]
+        patched = []
+        for name, (inputs, xs) in self.kept.items():
+            if inputs is not self.inputs:  # kept for other inputs (a session copied onto a subsample)
+                continue
+            parent_name, arity = self.replayable[name]
+            parent, linear = self.layer.get_submodule(parent_name), self.layer.get_submodule(name)
+
+            def stand_in(*args, _linear=linear, _xs=xs, _arity=arity, **kwargs):
+                out = _linear(_xs[batch_index[0]])
+                return (out, *[None] * (_arity - 1)) if _arity else out
+
+            parent.forward = stand_in
+            patched.append(parent)
+        try:
+            yield batch_index
+        finally:
+            for parent in patched:
+                del parent.forward
 
     def forward(self, store: DiskActivations | None = None) -> Sequence[torch.Tensor]:
         """Outputs of the layer (as it is now) for every calibration batch, appended to ``store`` (default: a new
         list); NaN or infinite outputs are refused."""
         outputs = [] if store is None else store
-        for hidden, kwargs in zip(self.inputs.hidden, self.inputs.kwargs):
-            out = _layer_output(self.layer(hidden, **kwargs))
-            _check_finite([out], self.index)
-            outputs.append(out)
+        with self._replaying() as batch_index:
+            for b, (hidden, kwargs) in enumerate(zip(self.inputs.hidden, self.inputs.kwargs)):
+                batch_index[0] = b
+                out = _layer_output(self.layer(hidden, **kwargs))
+                _check_finite([out], self.index)
+                outputs.append(out)
+        self.kept.clear()
         return outputs
 
     def trace_input_groups(self) -> list[list[str]]:
@@ -132,6 +189,33 @@ class LayerSession:
                 groups.append([name])
             last_input = tensor
         return groups
+
+    def trace_replayable(self) -> dict[str, tuple[str, int]]:
+        """The linears that can stand in for their parent module (see ``replayable``), found by running the first
+        batch through the whole layer and comparing each parent's output with its linears' outputs."""
+        outputs: dict[str, Any] = {}
+        linears = layer_linears(self.layer)
+        parents = {n.rpartition(".")[0] for n in linears} - {""}
+        handles = [
+            self.layer.get_submodule(n).register_forward_hook(lambda m, a, out, n=n: outputs.setdefault(n, out))
+            for n in [*linears, *parents]
+        ]
+        try:
+            with torch.no_grad():
+                self.layer(self.inputs.hidden[0], **self.inputs.kwargs[0])
+        finally:
+            for h in handles:
+                h.remove()
+        found = {}
+        for name in linears:
+            parent = name.rpartition(".")[0]
+            mine, theirs = outputs.get(name), outputs.get(parent)
+            if parent and mine is not None and theirs is mine:
+                found[name] = (parent, 0)
+            elif (parent and isinstance(theirs, tuple) and theirs and theirs[0] is mine and mine is not None
+                  and all(x is None for x in theirs[1:])):
+                found[name] = (parent, len(theirs))
+        return found
 
 
 class LayerDriver(Protocol):
@@ -225,6 +309,7 @@ def _quantize_layers(model, config, driver, tokens, sink, batch_size, device, pr
         inputs = capture_layer_inputs(model, tokens, batch_size, device, store)
     progress.start(len(layers))
     groups: list[list[str]] = []
+    replayable: dict[str, tuple[str, int]] | None = None
     errors: dict[str, float] = {}
     for index, layer in enumerate(layers):
         source.load(index, layer)
@@ -234,6 +319,8 @@ def _quantize_layers(model, config, driver, tokens, sink, batch_size, device, pr
         if inputs is not None:
             groups = groups or session.trace_input_groups()
             session.groups = [kept for g in groups if (kept := [n for n in g if n in linears])]
+            replayable = session.trace_replayable() if replayable is None else replayable
+            session.replayable = {n: r for n, r in replayable.items() if n in linears}
         with torch.no_grad():
             results = driver(session)
             for name, qweight in results.items():

@@ -92,6 +92,17 @@ def test_hessian_accumulator_is_a_running_mean_over_tokens():
     torch.testing.assert_close(acc.H, 2 / 120 * flat.T @ flat, rtol=1e-5, atol=1e-5)
 
 
+def test_hessian_accumulator_lower_blocks_give_the_whole_symmetric_matrix():
+    # K = 300 spans three block columns (128, 128, 44); H is read between adds, as a torchrun reduction would
+    X = torch.randn(70, 300, dtype=torch.float64)
+    acc = HessianAccumulator(300)
+    acc.add(X[:30])
+    torch.testing.assert_close(acc.H.double(), 2 / 30 * X[:30].T @ X[:30], rtol=1e-4, atol=1e-4)
+    acc.add(X[30:])
+    torch.testing.assert_close(acc.H.double(), 2 / 70 * X.T @ X, rtol=1e-4, atol=1e-4)
+    assert torch.equal(acc.H[:128, 128:], acc.H[128:, :128].T)  # mirrored; diagonal blocks come from one product
+
+
 @pytest.mark.parametrize(
     "group_size,block_size,act_order,static_groups,sym",
     [

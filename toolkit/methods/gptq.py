@@ -5,7 +5,8 @@ Linears that read the same tensor (q/k/v; gate/up) share one Hessian, accumulate
 freed as soon as its factor exists: at K = 8192 each K×K matrix is 268 MB). With ``true_sequential``
 the groups are taken in execution order and each group's Hessian is collected after the previous groups were
 quantized and written back, so o_proj is fitted to the inputs the quantized q/k/v produce (as in the reference
-``--true-sequential``). Without it, one pass collects every Hessian from the float layer. Under torchrun each rank
+``--true-sequential``); the inputs of o_proj and down_proj are kept as they are collected, so the later passes and
+the engine's final forward run attention and the MLP as those linears alone (``LayerSession`` replay). Without it, one pass collects every Hessian from the float layer. Under torchrun each rank
 accumulates over its share of the calibration batches and the Hessians are averaged over ranks (weighted by tokens)
 before factoring, so every rank quantizes with the whole batch's Hessian.
 """
@@ -34,7 +35,8 @@ def quantize_layer(session: LayerSession) -> dict[str, QuantizedWeight]:
     hessians = {} if cfg.true_sequential else _hessians(session, groups)
     for group in groups:
         if cfg.true_sequential:
-            hessians = _hessians(session, [group])
+            # everything before this group is final, so its replayable inputs can be kept for the later passes
+            hessians = _hessians(session, [group], keep=True)
         # popped straight into the call, so that the factorization holds the only reference and frees the Hessian
         factor = hessian_factor(hessians.pop(group[0]), cfg.damp, cfg.act_order)
         results.update({name: _quantize_linear(session, name, factor) for name in group})
@@ -42,8 +44,9 @@ def quantize_layer(session: LayerSession) -> dict[str, QuantizedWeight]:
     return results
 
 
-def _hessians(session: LayerSession, groups: list[list[str]]) -> dict[str, torch.Tensor]:
-    """One Hessian [K, K] per group of linears sharing an input, keyed by the group's first linear, in one pass."""
+def _hessians(session: LayerSession, groups: list[list[str]], keep: bool = False) -> dict[str, torch.Tensor]:
+    """One Hessian [K, K] per group of linears sharing an input, keyed by the group's first linear, in one pass
+    (``keep``: as ``LayerSession.collect_linear_inputs``)."""
     accumulators = {}
     for group in groups:
         weight = session.linears[group[0]].weight
@@ -57,12 +60,14 @@ def _hessians(session: LayerSession, groups: list[list[str]]) -> dict[str, torch
             )
         accumulators[name].add(X)
 
-    session.collect_linear_inputs(accumulators, on_input)
+    session.collect_linear_inputs(accumulators, on_input, keep=keep)
+    hessians = {}
     for name, acc in accumulators.items():
-        acc.H, acc.tokens = mean_over_ranks(acc.H, acc.tokens)  # under torchrun each rank saw its share of batches
-        if acc.tokens == 0:
+        # under torchrun each rank saw its share of the batches
+        hessians[name], tokens = mean_over_ranks(acc.H, acc.tokens)
+        if tokens == 0:
             raise RuntimeError(f"{name} of decoder layer {session.index} saw no calibration tokens")
-    return {name: acc.H for name, acc in accumulators.items()}
+    return hessians
 
 
 def _quantize_linear(session: LayerSession, name: str, factor: HessianFactor) -> QuantizedWeight:
