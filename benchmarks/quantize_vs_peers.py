@@ -5,7 +5,12 @@ Each tool runs in its own process (peers in their own venvs, made by ``benchmark
 ``/usr/bin/time`` for wall time and peak RSS. Every result is then scored by compound's evaluator against the float
 model: perplexity, its increase, KL divergence and top-1 agreement of next-token distributions.
 
-    python benchmarks/quantize_vs_peers.py [--methods rtn,gptq,awq] [--peers gptqmodel,llmcompressor]
+    python benchmarks/quantize_vs_peers.py [--methods rtn,rtn-asym,gptq,awq,awq+gptq] [--peers gptqmodel,llmcompressor]
+        [--gptq asym,act-order]
+
+``rtn`` is symmetric (the issue's baseline), ``rtn-asym`` the same grid as AWQ's. ``--gptq`` sets GPTQ's grid and
+column order for every tool alike (compound, GPTQModel, llm-compressor; act-order with static groups), and the
+column order of compound's AWQ+GPTQ.
 """
 
 from __future__ import annotations
@@ -37,35 +42,73 @@ def timed(command: list[str], log: Path) -> tuple[float, float]:
     return float(seconds), int(kib) / 1024
 
 
+def compound_flags(method: str, gptq: set[str]) -> list[str]:
+    """``compound quantize`` options of a benchmark method name."""
+    if method in ("rtn", "rtn-asym"):
+        return ["--method", "rtn", "--asym" if method == "rtn-asym" else "--sym"]
+    flags = ["--method", method]
+    if method == "gptq":
+        flags.append("--asym" if "asym" in gptq else "--sym")
+    if method in ("gptq", "awq+gptq") and "act-order" in gptq:
+        flags.append("--act-order")
+    return flags
+
+
 def run_compound(method: str, args, runs: Path) -> tuple[Path, float, float]:
     out = runs / f"compound-{method}"
-    command = ["compound", "quantize", "--model", "smollm2-135m", "--method", method,
+    command = ["compound", "quantize", "--model", "smollm2-135m", *compound_flags(method, args.gptq_options),
                "--bits", "4", "--group-size", "64", "--samples", str(args.samples), "--seq-len", str(args.seq_len),
                "--output", str(out), "--overwrite"]
-    if method == "rtn":
-        command.append("--sym")
     seconds, rss = timed(command, runs / f"compound-{method}.log")
     return out, seconds, rss
 
 
-def run_peer(peer: str, method: str, calib: Path, runs: Path) -> tuple[Path, float, float]:
+def run_peer(peer: str, method: str, calib: Path, runs: Path, gptq: set[str]) -> tuple[Path, float, float]:
     out = runs / f"{peer}-{method}"
     python = VENVS / peer / "bin" / "python"
     command = [str(python), str(ROOT / "benchmarks" / "peers" / f"run_{peer}.py"), "--model", str(FLOAT_DIR),
                "--calib", str(calib), "--method", method, "--bits", "4", "--group-size", "64", "--out", str(out)]
+    if method == "gptq":
+        command += [f"--{option}" for option in sorted(gptq)]
     seconds, rss = timed(command, runs / f"{peer}-{method}.log")
     return out / "dequantized", seconds, rss
 
 
+def findings(raw: list[dict]) -> list[str]:
+    """The issue's targets read off the rows: each method's perplexity increase against symmetric and asymmetric
+    RTN, and compound's wall time and peak memory against the faster peer of the same method."""
+    delta = {(r["tool"], r["method"]): r["perplexity"] - r["base_perplexity"] for r in raw}
+    lines = []
+    for method in ("gptq", "awq", "awq+gptq"):
+        mine = next((r for r in raw if r["tool"] == "compound" and r["method"] == method), None)
+        if mine is None:
+            continue
+        cuts = [f"{1 - delta[('compound', method)] / delta[('compound', rtn)]:+.0%} vs {rtn}"
+                for rtn in ("rtn", "rtn-asym") if ("compound", rtn) in delta]
+        line = f"- compound {method}: increase Δ {delta[('compound', method)]:.3f} ({', '.join(cuts)} in Δ: lower is a cut)"
+        peers = [r for r in raw if r["tool"] != "compound" and r["method"] == method]
+        if peers:
+            fastest = min(peers, key=lambda r: r["seconds"])
+            best = min(peers, key=lambda r: r["perplexity"])
+            line += (f"; {fastest['seconds'] / mine['seconds']:.2f}× faster than {fastest['tool']} (the faster peer), "
+                     f"peak RSS {mine['peak_rss_mib'] / fastest['peak_rss_mib']:.2f}× its; perplexity "
+                     f"{mine['perplexity'] - best['perplexity']:+.3f} vs {best['tool']} (the better peer), KL "
+                     f"{mine['kl']:.4f} vs {best['kl']:.4f}")
+        lines.append(line.replace("+-", "-"))
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", default="rtn,gptq,awq")
+    parser.add_argument("--methods", default="rtn,rtn-asym,gptq,awq,awq+gptq")
+    parser.add_argument("--gptq", default="asym,act-order", help="GPTQ options for every tool: asym, act-order")
     parser.add_argument("--peers", default="gptqmodel,llmcompressor")
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--windows", type=int, default=80)
     parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     args = parser.parse_args()
+    args.gptq_options = set(filter(None, args.gptq.split(",")))
 
     from toolkit.calibration import calibration_batch, eval_windows
     from toolkit.evaluate.divergence import divergence
@@ -81,6 +124,7 @@ def main() -> None:
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "peers" / "export_float.py")], check=True, cwd=ROOT)
 
     results = []  # (tool, method, model dir, loader, seconds, rss)
+    failures = []
     for method in args.methods.split(","):
         out, seconds, rss = run_compound(method, args, runs)
         results.append(("compound", method, out, load_quantized, seconds, rss))
@@ -92,9 +136,11 @@ def main() -> None:
                 print(f"skipping {peer}: run benchmarks/peers/setup.sh first", file=sys.stderr)
                 continue
             try:
-                out, seconds, rss = run_peer(peer, method, calib, runs)
+                out, seconds, rss = run_peer(peer, method, calib, runs, args.gptq_options)
             except subprocess.CalledProcessError:
-                print(f"{peer} {method} failed; see {runs / f'{peer}-{method}.log'}", file=sys.stderr)
+                log = runs / f"{peer}-{method}.log"
+                failures.append(f"- {peer} {method} failed: `{log.read_text().strip().splitlines()[-1]}`")
+                print(f"{peer} {method} failed; see {log}", file=sys.stderr)
                 continue
             results.append((peer, method, out, lambda d: (load_model(str(d)), None), seconds, rss))
 
@@ -112,10 +158,11 @@ def main() -> None:
     table = markdown_table(columns, rows)
     base_ppl = raw[0]["base_perplexity"] if raw else float("nan")
     body = (f"Command: `python benchmarks/quantize_vs_peers.py --methods {args.methods} --peers {args.peers} "
-            f"--samples {args.samples} --seq-len {args.seq_len} --windows {args.windows}`\n\n"
+            f"--gptq {args.gptq} --samples {args.samples} --seq-len {args.seq_len} --windows {args.windows}`\n\n"
             f"SmolLM2-135M-Instruct, W4 g64, {args.samples}×{args.seq_len} ShareGPT calibration tokens (the same file "
             f"for every tool), {args.windows}×{args.seq_len} held-out windows ({raw[0]['tokens'] if raw else 0} "
-            f"scored tokens); float perplexity {base_ppl:.3f}. 2 CPU threads each.\n\n{table}")
+            f"scored tokens); float perplexity {base_ppl:.3f}. 2 CPU threads each. GPTQ for every tool: "
+            f"{args.gptq or 'symmetric, natural column order'}.\n\n{table}\n\n" + "\n".join(findings(raw) + failures))
     print(body)
     (CACHE / "quantize_vs_peers.json").write_text(json.dumps(raw, indent=2))
     if not args.no_write:

@@ -28,6 +28,11 @@ def parse_args(tool: str) -> argparse.Namespace:
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--out", required=True)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--asym", action="store_true",
+                    help="GPTQ: asymmetric grid with zero points (default symmetric; AWQ is always asymmetric)")
+    ap.add_argument("--act-order", action="store_true",
+                    help="GPTQ: activation order with static groups (GPTQModel desc_act + static_groups, "
+                         "llm-compressor actorder='static'); default off")
     ap.add_argument("--damp", type=float, default=None,
                     help="GPTQ dampening fraction; default: the tool's own default")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],

@@ -9,9 +9,9 @@ Run with the gptqmodel venv (benchmarks/peers/setup.sh):
 Writes --out/result.json (times, versions, settings, grid check, ru_maxrss) and
 --out/dequantized/ (plain float HF checkpoint, no quantization_config).
 
-Settings: GPTQ symmetric, desc_act=False and act_group_aware=False (GPTQModel turns its
-"GAR" activation-group-aware reordering ON by default for GPTQ; we turn it off so no tool uses
-activation ordering), damp_percent = GPTQModel's default (0.05) unless --damp; AWQ asymmetric
+Settings: GPTQ symmetric unless --asym, desc_act=False and act_group_aware=False (GPTQModel turns its
+"GAR" activation-group-aware reordering ON by default for GPTQ; we turn it off so that every tool orders
+columns the same way), or with --act-order desc_act=True + static_groups=True; damp_percent = GPTQModel's default (0.05) unless --damp; AWQ asymmetric
 (zero point), GEMM format. Everything else is the tool's default.
 """
 
@@ -51,8 +51,8 @@ def build_config():
     from gptqmodel import AWQConfig, GPTQConfig
 
     if args.method == "gptq":
-        kw = dict(bits=args.bits, group_size=args.group_size, sym=True, desc_act=False,
-                  act_group_aware=False)
+        kw = dict(bits=args.bits, group_size=args.group_size, sym=not args.asym, desc_act=args.act_order,
+                  static_groups=args.act_order, act_group_aware=False)
         if args.damp is not None:
             kw["damp_percent"] = args.damp
         return GPTQConfig(**kw)

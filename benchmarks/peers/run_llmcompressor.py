@@ -10,8 +10,8 @@ Writes --out/result.json (times, versions, settings, grid check, ru_maxrss) and
 --out/dequantized/ (plain float HF checkpoint, no quantization/compression config).
 
 Settings: weights int4, strategy "group", group_size 64, lm_head ignored (as the W4A16 presets).
-GPTQ: symmetric, actorder=None (llm-compressor defaults to actorder="static"; turned off so no
-tool uses activation ordering), dampening_frac = tool default 0.01 unless --damp, block_size 128.
+GPTQ: symmetric unless --asym, actorder=None (llm-compressor defaults to actorder="static"; turned off
+unless --act-order, so that every tool orders columns the same way), dampening_frac = tool default 0.01 unless --damp, block_size 128.
 AWQ: AWQModifier (defaults: duo_scaling=True, n_grid=20, default Llama mappings) followed by
 QuantizationModifier with asymmetric (zero-point) int4 g64 weights - the split the deprecated
 `AWQModifier(scheme="W4A16_ASYM")` shim expands to. pipeline: tool default ("independent" ->
@@ -49,13 +49,13 @@ def build_recipe():
 
     weights = QuantizationArgs(
         num_bits=args.bits, type="int", strategy="group", group_size=args.group_size,
-        symmetric=(args.method == "gptq"), dynamic=False,
+        symmetric=(args.method == "gptq" and not args.asym), dynamic=False,
     )
     groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
     if args.method == "gptq":
         from llmcompressor.modifiers.gptq import GPTQModifier
 
-        kw = dict(config_groups=groups, ignore=["lm_head"], actorder=None)
+        kw = dict(config_groups=groups, ignore=["lm_head"], actorder="static" if args.act_order else None)
         if args.damp is not None:
             kw["dampening_frac"] = args.damp
         return [GPTQModifier(**kw)]
