@@ -34,11 +34,15 @@ FLOAT_DIR = CACHE / "smollm2-135m-hf"
 
 def timed(command: list[str], log: Path) -> tuple[float, float]:
     """Run ``command`` under /usr/bin/time; (wall seconds, peak RSS MiB). Output goes to ``log``."""
-    stats = log.with_suffix(".time")
     with open(log, "w") as out:
-        subprocess.run(["/usr/bin/time", "-f", "%e %M", "-o", str(stats), *command], stdout=out,
+        subprocess.run(["/usr/bin/time", "-f", "%e %M", "-o", str(log.with_suffix(".time")), *command], stdout=out,
                        stderr=subprocess.STDOUT, check=True, cwd=ROOT)
-    seconds, kib = stats.read_text().split()[-2:]
+    return recorded(log)
+
+
+def recorded(log: Path) -> tuple[float, float]:
+    """(wall seconds, peak RSS MiB) that /usr/bin/time wrote beside ``log``."""
+    seconds, kib = log.with_suffix(".time").read_text().split()[-2:]
     return float(seconds), int(kib) / 1024
 
 
@@ -63,14 +67,17 @@ def run_compound(method: str, args, runs: Path) -> tuple[Path, float, float]:
     return out, seconds, rss
 
 
-def run_peer(peer: str, method: str, calib: Path, runs: Path, gptq: set[str]) -> tuple[Path, float, float]:
+def run_peer(peer: str, method: str, calib: Path, runs: Path, gptq: set[str], reuse: bool) -> tuple[Path, float, float]:
     out = runs / f"{peer}-{method}"
+    log = runs / f"{peer}-{method}.log"
+    if reuse and (out / "result.json").exists():  # the runner writes it last, after the dequantized copy
+        return out / "dequantized", *recorded(log)
     python = VENVS / peer / "bin" / "python"
     command = [str(python), str(ROOT / "benchmarks" / "peers" / f"run_{peer}.py"), "--model", str(FLOAT_DIR),
                "--calib", str(calib), "--method", method, "--bits", "4", "--group-size", "64", "--out", str(out)]
     if method == "gptq":
         command += [f"--{option}" for option in sorted(gptq)]
-    seconds, rss = timed(command, runs / f"{peer}-{method}.log")
+    seconds, rss = timed(command, log)
     return out / "dequantized", seconds, rss
 
 
@@ -107,6 +114,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--windows", type=int, default=80)
     parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    parser.add_argument("--reuse-peers", action="store_true",
+                        help="take a peer's finished run (its result.json, dequantized copy and /usr/bin/time record) "
+                             "instead of running it again; compound always runs")
     args = parser.parse_args()
     args.gptq_options = set(filter(None, args.gptq.split(",")))
 
@@ -136,7 +146,7 @@ def main() -> None:
                 print(f"skipping {peer}: run benchmarks/peers/setup.sh first", file=sys.stderr)
                 continue
             try:
-                out, seconds, rss = run_peer(peer, method, calib, runs, args.gptq_options)
+                out, seconds, rss = run_peer(peer, method, calib, runs, args.gptq_options, args.reuse_peers)
             except subprocess.CalledProcessError:
                 log = runs / f"{peer}-{method}.log"
                 failures.append(f"- {peer} {method} failed: `{log.read_text().strip().splitlines()[-1]}`")
@@ -158,7 +168,8 @@ def main() -> None:
     table = markdown_table(columns, rows)
     base_ppl = raw[0]["base_perplexity"] if raw else float("nan")
     body = (f"Command: `python benchmarks/quantize_vs_peers.py --methods {args.methods} --peers {args.peers} "
-            f"--gptq {args.gptq} --samples {args.samples} --seq-len {args.seq_len} --windows {args.windows}`\n\n"
+            f"--gptq {args.gptq} --samples {args.samples} --seq-len {args.seq_len} --windows {args.windows}"
+            f"{' --reuse-peers' if args.reuse_peers else ''}`\n\n"
             f"SmolLM2-135M-Instruct, W4 g64, {args.samples}×{args.seq_len} ShareGPT calibration tokens (the same file "
             f"for every tool), {args.windows}×{args.seq_len} held-out windows ({raw[0]['tokens'] if raw else 0} "
             f"scored tokens); float perplexity {base_ppl:.3f}. 2 CPU threads each. GPTQ for every tool: "

@@ -55,20 +55,21 @@ def test_gptq_replay_gives_the_same_weights_without_recomputing_attention(arch, 
     the later passes and the final forward: same codes, scales and next-layer inputs as recomputing them."""
     tokens = torch.randint(0, 128, (6, 16), generator=torch.Generator().manual_seed(0))
     config = GPTQConfig(group_size=32)
-    calls = {"attention": 0}
 
     def run(replay):
         model = tiny_model(arch, vocab=128)
+        calls = {"q_proj": 0, "o_proj": 0}
         for layer in model.model.layers:
             # q_proj computes only when attention is really recomputed (a replaced parent still runs its hooks)
-            layer.self_attn.q_proj.register_forward_hook(lambda *a: calls.__setitem__("attention", calls["attention"] + 1))
+            for name in calls:
+                layer.self_attn.get_submodule(name).register_forward_hook(
+                    lambda *a, name=name: calls.__setitem__(name, calls[name] + 1))
         if not replay:
             monkeypatch.setattr(LayerSession, "trace_replayable", lambda self: {})
         sunk = {}
-        calls["attention"] = 0
         quantize_layers(model, config, driver_for("gptq"), tokens, sunk.__setitem__, batch_size=4)
         monkeypatch.undo()
-        return sunk, model, calls["attention"]
+        return sunk, model, dict(calls)  # a copy: the logits below run the hooks again
 
     replayed, replayed_model, replayed_calls = run(True)
     recomputed, recomputed_model, recomputed_calls = run(False)
@@ -80,10 +81,12 @@ def test_gptq_replay_gives_the_same_weights_without_recomputing_attention(arch, 
     assert torch.equal(*logits)
     # per layer and batch: recomputed, q_proj runs in the passes for o, gate/up and down and in the final forward
     # (the pass for q/k/v stops as q_proj is entered); replayed only in the pass for o. Plus one traced batch for
-    # the groups, and one for replay.
+    # the groups, and one for replay. o_proj, replayed, runs once per batch after the pass that collects its input.
     layers, batches = len(replayed_model.model.layers), 2
-    assert recomputed_calls == 4 * layers * batches + 1
-    assert replayed_calls == layers * batches + 1 + 1
+    assert recomputed_calls["q_proj"] == 4 * layers * batches + 1
+    assert replayed_calls["q_proj"] == layers * batches + 1 + 1
+    assert recomputed_calls["o_proj"] == 3 * layers * batches + 1
+    assert replayed_calls["o_proj"] == layers * batches + 1 + 1
 
 
 def test_replay_needs_a_parent_whose_output_is_the_linear_output():

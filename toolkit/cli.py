@@ -107,7 +107,7 @@ def quantize(
     skip: list[str] = typer.Option(["lm_head"], help="Module names (or suffixes) left unquantized; repeatable."),
     damp: Optional[float] = typer.Option(None, help="GPTQ: dampening relative to the mean Hessian diagonal."),
     block_size: Optional[int] = typer.Option(None, help="GPTQ: columns per lazy update block."),
-    act_order: Optional[bool] = typer.Option(None, "--act-order/--no-act-order", help="GPTQ: decreasing-Hessian column order."),
+    act_order: Optional[bool] = typer.Option(None, "--act-order/--no-act-order", help="GPTQ: decreasing-Hessian column order, static groups (default on)."),
     evaluate: bool = typer.Option(False, "--eval", help="Also report held-out perplexity of the result and of the float model."),
     eval_windows: int = typer.Option(80, help="Held-out windows of --seq-len tokens for --eval."),
     overwrite: bool = typer.Option(False, help="Replace an existing output directory."),

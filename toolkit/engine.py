@@ -15,8 +15,10 @@ is any ``LayerDriver`` callable, looked up by method name.
 Replay: a linear whose output is its parent module's whole output (o_proj of the attention block, down_proj of the
 MLP) can stand in for that parent. A driver that quantizes in execution order (GPTQ, true-sequential) keeps such a
 linear's inputs once everything before it is final (``collect_linear_inputs(..., keep=True)``); later passes and
-the final forward then run the parent as that one linear on its kept inputs, instead of recomputing attention or
-the MLP. Same numbers, a fraction of the work.
+the final forward then take the parent's output from that one linear, computed once per batch on the kept input
+(which is then dropped), instead of recomputing attention or the MLP. Same numbers, a fraction of the work. The
+final forward also drops each batch's inputs as soon as its output exists, so the kept tensors cost little peak
+memory.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class LayerSession:
     errors: dict[str, float] = field(default_factory=dict)
     arch: ArchSpec | None = None
     replayable: dict[str, tuple[str, int]] = field(default_factory=dict)
-    kept: dict[str, tuple[LayerInputs, list[torch.Tensor]]] = field(default_factory=dict, repr=False)
+    kept: dict[str, _Kept] = field(default_factory=dict, repr=False)
 
     def collect(
         self,
@@ -121,9 +123,10 @@ class LayerSession:
     ) -> None:
         """Like ``collect`` for linears: ``on_input(name, X)`` with X flattened to [tokens, in_features].
 
-        keep: also keep, per batch, the inputs of the replayable linears among ``names``, so that later passes run
-        their parents as those linears alone. Only valid while nothing that runs before them changes: the caller
-        promises that the layer's weights up to these linears are final. Ignored for activations on disk."""
+        keep: also keep, per batch, the inputs of the replayable linears among ``names``, so that later passes take
+        their parents' outputs from those linears alone (computed once, then reused). Only valid while nothing
+        that runs up to and including them changes: the caller promises that the layer's weights up to these
+        linears are final by the next pass. Ignored for activations on disk."""
         names = list(names)
         keeping = [n for n in names if keep and n in self.replayable and isinstance(self.inputs.hidden, list)]
         fresh: dict[str, list[torch.Tensor]] = {n: [] for n in keeping}
@@ -135,22 +138,22 @@ class LayerSession:
 
         self.collect(names, seen)
         # a linear run more than once per forward cannot stand in for its parent
-        self.kept.update({n: (self.inputs, xs) for n, xs in fresh.items() if len(xs) == len(self.inputs.hidden)})
+        self.kept.update({n: _Kept(self.inputs, xs) for n, xs in fresh.items() if len(xs) == len(self.inputs.hidden)})
 
     @contextlib.contextmanager
     def _replaying(self):
-        """While active, each parent of a kept linear runs as that linear on the current batch's kept input (the
-        batch index is the yielded one-item list, set by the caller)."""
+        """While active, each parent of a kept linear returns that linear's output on the current batch's kept
+        input (the batch index is the yielded one-item list, set by the caller)."""
         batch_index = [0]
         patched = []
-        for name, (inputs, xs) in self.kept.items():
-            if inputs is not self.inputs:  # kept for other inputs (a session copied onto a subsample)
+        for name, kept in self.kept.items():
+            if kept.inputs is not self.inputs:  # kept for other inputs (a session copied onto a subsample)
                 continue
             parent_name, arity = self.replayable[name]
             parent, linear = self.layer.get_submodule(parent_name), self.layer.get_submodule(name)
 
-            def stand_in(*args, _linear=linear, _xs=xs, _arity=arity, **kwargs):
-                out = _linear(_xs[batch_index[0]])
+            def stand_in(*args, _linear=linear, _kept=kept, _arity=arity, **kwargs):
+                out = _kept.output(batch_index[0], _linear)
                 return (out, *[None] * (_arity - 1)) if _arity else out
 
             parent.forward = stand_in
@@ -163,14 +166,19 @@ class LayerSession:
 
     def forward(self, store: DiskActivations | None = None) -> Sequence[torch.Tensor]:
         """Outputs of the layer (as it is now) for every calibration batch, appended to ``store`` (default: a new
-        list); NaN or infinite outputs are refused."""
+        list); NaN or infinite outputs are refused. The session's last step: each batch's inputs held in memory
+        (hidden states, kept inputs) are dropped once its output exists."""
         outputs = [] if store is None else store
         with self._replaying() as batch_index:
-            for b, (hidden, kwargs) in enumerate(zip(self.inputs.hidden, self.inputs.kwargs)):
+            for b, kwargs in enumerate(self.inputs.kwargs):
                 batch_index[0] = b
-                out = _layer_output(self.layer(hidden, **kwargs))
+                out = _layer_output(self.layer(self.inputs.hidden[b], **kwargs))
                 _check_finite([out], self.index)
                 outputs.append(out)
+                if isinstance(self.inputs.hidden, list):
+                    self.inputs.hidden[b] = None
+                for kept in self.kept.values():
+                    kept.drop(b)
         self.kept.clear()
         return outputs
 
@@ -216,6 +224,26 @@ class LayerSession:
                   and all(x is None for x in theirs[1:])):
                 found[name] = (parent, len(theirs))
         return found
+
+
+@dataclass
+class _Kept:
+    """A replayable linear's inputs, per batch, for the ``inputs`` they were collected on; each batch's output once
+    computed (the linear's weights are final by then), which replaces its input."""
+
+    inputs: LayerInputs
+    tensors: list[torch.Tensor | None]
+    computed: set[int] = field(default_factory=set)
+
+    def output(self, batch: int, linear: nn.Module) -> torch.Tensor:
+        """``linear`` on batch ``batch``'s kept input, computed on first use."""
+        if batch not in self.computed:
+            self.tensors[batch] = linear(self.tensors[batch])
+            self.computed.add(batch)
+        return self.tensors[batch]
+
+    def drop(self, batch: int) -> None:
+        self.tensors[batch] = None
 
 
 class LayerDriver(Protocol):

@@ -69,15 +69,16 @@ class GPTQConfig(WeightQuantConfig):
     """GPTQ (arXiv 2210.17323): column-by-column rounding with Hessian-based error compensation.
 
     damp: dampening added to the Hessian diagonal, relative to its mean (raised automatically when Cholesky fails).
-    block_size: columns per lazy-update block. act_order: process columns by decreasing Hessian diagonal.
-    static_groups: with act_order and groups, fix the groups in original column order (vLLM refuses desc_act with
-    groups otherwise). mse_clip: search each group's range for the lowest squared error instead of min/max.
+    block_size: columns per lazy-update block. act_order: process columns by decreasing Hessian diagonal (on by
+    default: with static groups it costs nothing at run time, and on SmolLM2-135M W4 g64 it is what lets GPTQ beat
+    RTN at all; llm-compressor's default too). static_groups: with act_order and groups, fix the groups in original
+    column order (vLLM refuses desc_act with groups otherwise). mse_clip: search each group's range for the lowest squared error instead of min/max.
     true_sequential: quantize q/k/v, then o, then gate/up, then down, each seeing the already-quantized ones.
     """
 
     damp: float = 0.01
     block_size: int = 128
-    act_order: bool = False
+    act_order: bool = True
     static_groups: bool = True
     mse_clip: bool = False
     true_sequential: bool = True
