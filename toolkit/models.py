@@ -11,6 +11,8 @@ module type, and how they share inputs is traced at run time (``toolkit.engine``
 
 from __future__ import annotations
 
+import copy
+import functools
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,10 +142,9 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, trust_remote_code:
     from transformers import AutoModelForCausalLM
 
     name, extra = _from_pretrained_args(spec)
-    _checked_config(spec, trust_remote_code)
-    model = _hub_call(
-        spec, AutoModelForCausalLM.from_pretrained, name, dtype=dtype, trust_remote_code=trust_remote_code, **extra
-    )
+    config = _checked_config(spec, trust_remote_code)  # passed on: a GGUF file is not parsed for its config again
+    model = _hub_call(spec, AutoModelForCausalLM.from_pretrained, name, config=config, dtype=dtype,
+                      trust_remote_code=trust_remote_code, **extra)
     return model.eval()
 
 
@@ -163,17 +164,28 @@ def empty_model(spec: str, dtype: torch.dtype = torch.float32, trust_remote_code
 
 
 def _checked_config(spec: str, trust_remote_code: bool):
-    """The ``AutoConfig`` of ``spec``, refused unless its architecture is in ``ARCHITECTURES``."""
+    """The ``AutoConfig`` of ``spec``, refused unless its architecture is in ``ARCHITECTURES``. A GGUF file's config
+    is read once per process and copied (reading it parses the whole file: seconds each time)."""
     from transformers import AutoConfig
 
     name, extra = _from_pretrained_args(spec)
-    config = _hub_call(spec, AutoConfig.from_pretrained, name, trust_remote_code=trust_remote_code, **extra)
+    if "gguf_file" in extra:
+        config = copy.deepcopy(_gguf_config(spec, name, extra["gguf_file"]))
+    else:
+        config = _hub_call(spec, AutoConfig.from_pretrained, name, trust_remote_code=trust_remote_code, **extra)
     if config.model_type not in ARCHITECTURES:
         raise ModelError(
             f"unsupported architecture {config.model_type!r} in {spec}: "
             f"compound quantizes {', '.join(sorted(ARCHITECTURES))}"
         )
     return config
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_config(spec: str, directory: str, gguf_file: str):
+    from transformers import AutoConfig
+
+    return _hub_call(spec, AutoConfig.from_pretrained, directory, gguf_file=gguf_file)
 
 
 def _hub_call(spec: str, fn, *args, **kwargs):
