@@ -60,10 +60,13 @@ def compound_flags(method: str, gptq: set[str]) -> list[str]:
 
 def run_compound(method: str, args, runs: Path) -> tuple[Path, float, float]:
     out = runs / f"compound-{method}"
+    log = runs / f"compound-{method}.log"
+    if args.reuse and (out / "config.json").exists():  # written last, by the atomic rename of the checkpoint
+        return out, *recorded(log)
     command = ["compound", "quantize", "--model", "smollm2-135m", *compound_flags(method, args.gptq_options),
                "--bits", "4", "--group-size", "64", "--samples", str(args.samples), "--seq-len", str(args.seq_len),
                "--output", str(out), "--overwrite"]
-    seconds, rss = timed(command, runs / f"compound-{method}.log")
+    seconds, rss = timed(command, log)
     return out, seconds, rss
 
 
@@ -114,9 +117,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--windows", type=int, default=80)
     parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
-    parser.add_argument("--reuse-peers", action="store_true",
-                        help="take a peer's finished run (its result.json, dequantized copy and /usr/bin/time record) "
-                             "instead of running it again; compound always runs")
+    parser.add_argument("--reuse", action="store_true",
+                        help="take every finished run in benchmarks/.cache/runs (checkpoint or dequantized copy, and "
+                             "its /usr/bin/time record) instead of running it again: scoring only")
     args = parser.parse_args()
     args.gptq_options = set(filter(None, args.gptq.split(",")))
 
@@ -146,7 +149,7 @@ def main() -> None:
                 print(f"skipping {peer}: run benchmarks/peers/setup.sh first", file=sys.stderr)
                 continue
             try:
-                out, seconds, rss = run_peer(peer, method, calib, runs, args.gptq_options, args.reuse_peers)
+                out, seconds, rss = run_peer(peer, method, calib, runs, args.gptq_options, args.reuse)
             except subprocess.CalledProcessError:
                 log = runs / f"{peer}-{method}.log"
                 failures.append(f"- {peer} {method} failed: `{log.read_text().strip().splitlines()[-1]}`")
@@ -169,7 +172,7 @@ def main() -> None:
     base_ppl = raw[0]["base_perplexity"] if raw else float("nan")
     body = (f"Command: `python benchmarks/quantize_vs_peers.py --methods {args.methods} --peers {args.peers} "
             f"--gptq {args.gptq} --samples {args.samples} --seq-len {args.seq_len} --windows {args.windows}"
-            f"{' --reuse-peers' if args.reuse_peers else ''}`\n\n"
+            f"{' --reuse' if args.reuse else ''}`\n\n"
             f"SmolLM2-135M-Instruct, W4 g64, {args.samples}×{args.seq_len} ShareGPT calibration tokens (the same file "
             f"for every tool), {args.windows}×{args.seq_len} held-out windows ({raw[0]['tokens'] if raw else 0} "
             f"scored tokens); float perplexity {base_ppl:.3f}. 2 CPU threads each. GPTQ for every tool: "
