@@ -73,3 +73,24 @@ def test_hub_id_offline_fails_with_a_clear_message():
 def test_local_directory_loads(tiny_llama_dir):
     model = load_model(str(tiny_llama_dir))
     assert model.config.model_type == "llama" and not model.training
+
+
+@pytest.mark.slow
+def test_a_gguf_config_is_parsed_once_per_process(monkeypatch):
+    """empty_model, then load_model, read the embedded GGUF's config once (each parse of the file takes seconds);
+    each caller gets its own copy."""
+    import transformers
+
+    from toolkit import models
+
+    models._gguf_config.cache_clear()
+    parses = []
+    real = transformers.AutoConfig.from_pretrained
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
+                        lambda *a, **k: parses.append(k.get("gguf_file")) or real(*a, **k))
+    skeleton = models.empty_model("smollm2-135m")
+    model = load_model("smollm2-135m")
+    assert parses == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
+    assert model.config is not skeleton.config
+    assert (model.config.num_hidden_layers, model.config.hidden_size) == (30, 576) == (
+        skeleton.config.num_hidden_layers, skeleton.config.hidden_size)

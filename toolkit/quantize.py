@@ -22,7 +22,7 @@ from toolkit.models import arch_spec, decoder_layers, empty_model, load_model, l
 from toolkit.quant import kv_cache as kv
 from toolkit.quant.configs import ConfigError, WeightQuantConfig
 from toolkit.shards import is_safetensors_dir
-from toolkit.streaming import StreamedLayers, bound_heap, outer_names, outer_tensors, stream_model
+from toolkit.streaming import StreamedLayers, outer_names, outer_tensors, stream_model
 
 FORMATS = {"gptq": gptq_format, "awq": awq_format, "compressed-tensors": ct_format}
 
@@ -131,7 +131,6 @@ def quantize(
     if stream:  # 5
         model, shards = stream_model(model_spec, trust_remote_code)
     else:
-        bound_heap()  # per-batch activations come and go by the thousand: freed, they must leave the resident set
         model = load_model(model_spec, torch.float32, trust_remote_code)
     tokens, calib_info = None, {}
     if needs_tokens:  # 6
