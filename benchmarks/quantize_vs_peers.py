@@ -73,7 +73,9 @@ def run_compound(method: str, args, runs: Path) -> tuple[Path, float, float]:
 def run_peer(peer: str, method: str, calib: Path, runs: Path, gptq: set[str], reuse: bool) -> tuple[Path, float, float]:
     out = runs / f"{peer}-{method}"
     log = runs / f"{peer}-{method}.log"
-    if reuse and (out / "result.json").exists():  # the runner writes it last, after the dequantized copy
+    if reuse:
+        if not (out / "result.json").exists():  # the runner writes it last, after the dequantized copy
+            raise FileNotFoundError(f"no finished run in {out} to reuse")
         return out / "dequantized", *recorded(log)
     python = VENVS / peer / "bin" / "python"
     command = [str(python), str(ROOT / "benchmarks" / "peers" / f"run_{peer}.py"), "--model", str(FLOAT_DIR),
@@ -93,9 +95,9 @@ def findings(raw: list[dict]) -> list[str]:
         mine = next((r for r in raw if r["tool"] == "compound" and r["method"] == method), None)
         if mine is None:
             continue
-        cuts = [f"{1 - delta[('compound', method)] / delta[('compound', rtn)]:+.0%} vs {rtn}"
+        cuts = [f"{1 - delta[('compound', method)] / delta[('compound', rtn)]:.0%} below {rtn}'s"
                 for rtn in ("rtn", "rtn-asym") if ("compound", rtn) in delta]
-        line = f"- compound {method}: increase Δ {delta[('compound', method)]:.3f} ({', '.join(cuts)} in Δ: lower is a cut)"
+        line = f"- compound {method}: perplexity increase {delta[('compound', method)]:.3f}, {' and '.join(cuts)}"
         peers = [r for r in raw if r["tool"] != "compound" and r["method"] == method]
         if peers:
             fastest = min(peers, key=lambda r: r["seconds"])
@@ -104,7 +106,7 @@ def findings(raw: list[dict]) -> list[str]:
                      f"peak RSS {mine['peak_rss_mib'] / fastest['peak_rss_mib']:.2f}× its; perplexity "
                      f"{mine['perplexity'] - best['perplexity']:+.3f} vs {best['tool']} (the better peer), KL "
                      f"{mine['kl']:.4f} vs {best['kl']:.4f}")
-        lines.append(line.replace("+-", "-"))
+        lines.append(line)
     return lines
 
 
@@ -150,6 +152,9 @@ def main() -> None:
                 continue
             try:
                 out, seconds, rss = run_peer(peer, method, calib, runs, args.gptq_options, args.reuse)
+            except FileNotFoundError as missing:
+                failures.append(f"- {peer} {method}: {missing}")
+                continue
             except subprocess.CalledProcessError:
                 log = runs / f"{peer}-{method}.log"
                 failures.append(f"- {peer} {method} failed: `{log.read_text().strip().splitlines()[-1]}`")
