@@ -3,7 +3,9 @@ llm-compressor, on the same 128×512 ShareGPT calibration tokens and the same he
 
 Each tool runs in its own process (peers in their own venvs, made by ``benchmarks/peers/setup.sh``) under
 ``/usr/bin/time`` for wall time and peak RSS. Every result is then scored by compound's evaluator against the float
-model: perplexity, its increase, KL divergence and top-1 agreement of next-token distributions.
+model: perplexity, its increase, KL divergence and top-1 agreement of next-token distributions. Every tool reads the
+same float32 checkpoint (the GGUF exported once by ``benchmarks/peers/export_float.py``) and holds it whole in memory
+(compound's ``--stream`` would read it a layer at a time: less memory, more time; BENCHMARKS.md has both).
 
     python benchmarks/quantize_vs_peers.py [--methods rtn,rtn-asym,gptq,awq,awq+gptq] [--peers gptqmodel,llmcompressor]
         [--gptq asym,act-order]
@@ -26,6 +28,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from report import markdown_table, update_section  # noqa: E402
+
+from toolkit.evaluate.divergence import divergence, paired_nll_difference  # noqa: E402
 
 CACHE = ROOT / "benchmarks" / ".cache"
 VENVS = ROOT / "benchmarks" / ".venvs"
@@ -63,7 +67,7 @@ def run_compound(method: str, args, runs: Path) -> tuple[Path, float, float]:
     log = runs / f"compound-{method}.log"
     if args.reuse and (out / "config.json").exists():  # written last, by the atomic rename of the checkpoint
         return out, *recorded(log)
-    command = ["compound", "quantize", "--model", "smollm2-135m", *compound_flags(method, args.gptq_options),
+    command = ["compound", "quantize", "--model", str(FLOAT_DIR), *compound_flags(method, args.gptq_options),
                "--bits", "4", "--group-size", "64", "--samples", str(args.samples), "--seq-len", str(args.seq_len),
                "--output", str(out), "--overwrite"]
     seconds, rss = timed(command, log)
@@ -106,6 +110,10 @@ def findings(raw: list[dict]) -> list[str]:
                      f"peak RSS {mine['peak_rss_mib'] / fastest['peak_rss_mib']:.2f}× its; perplexity "
                      f"{mine['perplexity'] - best['perplexity']:+.3f} vs {best['tool']} (the better peer), KL "
                      f"{mine['kl']:.4f} vs {best['kl']:.4f}")
+            if best["window_nll"]:
+                gap, se = paired_nll_difference(mine["window_nll"], best["window_nll"])
+                line += (f"; log-perplexity {gap:+.4f} ± {2 * se:.4f} against it (paired over the windows, ±2 SE: "
+                         f"{'within' if abs(gap) <= 2 * se else 'beyond'} the windows' noise)")
         lines.append(line)
     return lines
 
@@ -126,7 +134,6 @@ def main() -> None:
     args.gptq_options = set(filter(None, args.gptq.split(",")))
 
     from toolkit.calibration import calibration_batch, eval_windows
-    from toolkit.evaluate.divergence import divergence
     from toolkit.models import load_model, load_tokenizer
     from toolkit.runtime.load import load_quantized
 

@@ -2,9 +2,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from toolkit.engine import ActivationError, quantize_layers
+from toolkit.engine import ActivationError, LayerSession, quantize_layers
 from toolkit.methods import driver_for
-from toolkit.engine import LayerSession
 from toolkit.quant.configs import ConfigError, GPTQConfig, RTNConfig
 from toolkit.quant.primitives import quantize_rtn
 
@@ -21,6 +20,28 @@ def test_rtn_quantizes_every_decoder_linear_in_place():
         assert torch.equal(qweight.dequantize(), expected)
     assert torch.equal(model.lm_head.weight, originals["lm_head"])
 
+
+
+def test_freed_heap_goes_back_to_the_os_after_every_layer(monkeypatch):
+    """glibc keeps freed activations resident: without a trim per layer SmolLM2's GPTQ peak crept by 0.4 GiB."""
+    model = tiny_model("llama", vocab=128)
+    done, trims = [], []
+
+    class Progress:
+        def start(self, total):
+            pass
+
+        def step(self, message):
+            pass
+
+        def layer_done(self, index, errors):
+            done.append(index)
+
+    monkeypatch.setattr("toolkit.engine.trim_heap", lambda: trims.append(list(done)))
+    tokens = torch.randint(0, 128, (4, 16))
+    quantize_layers(model, GPTQConfig(group_size=32), driver_for("gptq"), tokens, lambda *a: None, progress=Progress())
+    layers = len(model.model.layers)
+    assert layers > 1 and trims == [list(range(i + 1)) for i in range(layers)]  # once per layer, after it is done
 
 def test_skip_by_suffix():
     model = tiny_model("llama", vocab=128)

@@ -94,7 +94,7 @@ def _measure_perplexity(spec: str, dataset: str, windows: int, seq_len: int):
 def quantize(
     model: str = typer.Option("smollm2-135m", help="Model: alias (smollm2-135m), local directory, .gguf file or Hub id."),
     output: Path = typer.Option(..., "--output", "-o", help="Checkpoint directory to create."),
-    method: str = typer.Option("rtn", help="rtn | gptq | awq"),
+    method: str = typer.Option("rtn", help="rtn | gptq | awq | awq+gptq (AWQ's scaling, then GPTQ's rounding)"),
     bits: int = typer.Option(4, help="Weight bits (2..8; the GPTQ format stores 2, 3, 4 or 8)."),
     group_size: int = typer.Option(128, help="Input columns per scale: 32, 64, 128, or -1 for per channel."),
     sym: Optional[bool] = typer.Option(None, "--sym/--asym", help="Symmetric grid (default: the method's own)."),

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from toolkit.heap import trim_heap
 from toolkit.models import ArchSpec, arch_spec, decoder_layers, layer_linears
 from toolkit.offload import DiskActivations
 from toolkit.quant.configs import WeightQuantConfig
@@ -365,6 +366,7 @@ def _quantize_layers(model, config, driver, tokens, sink, batch_size, device, pr
         source.release(index, layer)
         errors.update({f"{prefix}.{index}.{name}": e for name, e in session.errors.items()})
         progress.layer_done(index, session.errors)
+        trim_heap()  # the layer's freed activations would otherwise stay resident, and the peak creep layer by layer
     return errors
 
 

@@ -6,8 +6,8 @@ decoder layers (embeddings; RoPE buffers are real from the start). ``StreamedLay
 the engine is done with the layer hands it to a ``save`` callback (which writes its quantized form) and returns its
 weights to the meta device. The embeddings go back to the meta device too once the first layer's inputs are
 captured, and ``outer_tensors`` reads them again, one at a time, when they are written. Peak memory is then about
-one float layer plus the calibration activations, whatever the depth (``bound_heap`` keeps freed layer-sized blocks
-from lingering in the heap). Tensors are read as float32, as ``load_model`` loads them, so a streamed run computes
+one float layer plus the calibration activations, whatever the depth (``toolkit.heap.bound_heap`` keeps freed
+layer-sized blocks from lingering in the heap). Tensors are read as float32, as ``load_model`` loads them, so a streamed run computes
 exactly what an in-memory run does.
 
 GGUF models cannot stream (transformers dequantizes a GGUF file whole); only safetensors directories can.
@@ -15,12 +15,12 @@ GGUF models cannot stream (transformers dequantizes a GGUF file whole); only saf
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
+from toolkit.heap import bound_heap, trim_heap
 from toolkit.models import ModelError, arch_spec, decoder_layers, empty_model
 from toolkit.shards import ShardIndex, is_safetensors_dir
 
@@ -110,27 +110,3 @@ class StreamedLayers:
     def release(self, index: int, layer: nn.Module) -> None:
         self.save(index, layer)
         release_layer(layer)
-
-
-def bound_heap(threshold: int = 2**20) -> None:
-    """Serve every allocation of ``threshold`` bytes or more from its own mapping, returned to the OS when freed.
-    glibc otherwise raises its mmap threshold (up to 32 MiB) as large blocks are freed, so layer-sized temporaries
-    come from the heap, fragment it and the resident set creeps up layer after layer (measured on a 3B model:
-    +200 MiB over 5 layers at the GPTQ peak, flat with this). Nothing happens where glibc is not the C library."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, threshold)
-    except (OSError, AttributeError):
-        pass
-
-
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-
-
-def trim_heap() -> None:
-    """Hand freed heap memory back to the OS. glibc's malloc raises its mmap threshold as large blocks are freed, so
-    later layer-sized tensors come from the heap, and without a trim each freed layer would stay in the resident set
-    (RSS grew by about one layer per layer before this). Nothing happens where glibc is not the C library."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
