@@ -8,7 +8,7 @@ from toolkit.quant.configs import ConfigError, GPTQConfig, RTNConfig
 from toolkit.quant.primitives import quantize_rtn
 
 
-@pytest.mark.parametrize("bits,group_size,sym", itertools.product((2, 3, 4, 8), (-1, 32, 64, 128), (True, False)))
+@pytest.mark.parametrize("bits,group_size,sym", list(itertools.product((2, 3, 4, 8), (-1, 32, 64, 128), (True, False))))
 def test_pack_unpack_is_exact(bits, group_size, sym):
     torch.manual_seed(bits + group_size)
     W = torch.randn(64, 256) + (0 if sym else 0.5)

@@ -23,7 +23,7 @@ def test_three_bit_layout_straddles_words_like_autogptq():
     assert words[2] == 0
 
 
-@pytest.mark.parametrize("bits,dim", itertools.product(range(2, 9), (0, 1)))
+@pytest.mark.parametrize("bits,dim", list(itertools.product(range(2, 9), (0, 1))))
 def test_round_trip_every_width(bits, dim):
     torch.manual_seed(bits)
     shape = (96, 5) if dim == 0 else (5, 96)

@@ -241,7 +241,7 @@ def test_per_channel():
     assert output_error(W, qw.dequantize(), X) < output_error(W, quantize_rtn(W, 4, -1, True).dequantize(), X)
 
 
-@pytest.mark.parametrize("bits,sym", itertools.product(range(2, 9), (True, False)))
+@pytest.mark.parametrize("bits,sym", list(itertools.product(range(2, 9), (True, False))))
 def test_every_width(bits, sym):
     torch.manual_seed(bits)
     W = torch.randn(16, 64)

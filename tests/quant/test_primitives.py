@@ -29,7 +29,7 @@ def reference_rtn(W, bits, group_size, sym):
     return out
 
 
-@pytest.mark.parametrize("bits,group_size,sym", itertools.product(range(2, 9), (-1, 32, 64, 128), (True, False)))
+@pytest.mark.parametrize("bits,group_size,sym", list(itertools.product(range(2, 9), (-1, 32, 64, 128), (True, False))))
 def test_rtn_matches_reference_and_error_bound(bits, group_size, sym):
     torch.manual_seed(bits * 1000 + group_size)
     W = torch.randn(12, 256) * torch.rand(12, 1) * 3
