@@ -7,8 +7,8 @@ the engine is done with the layer hands it to a ``save`` callback (which writes 
 weights to the meta device. The embeddings go back to the meta device too once the first layer's inputs are
 captured, and ``outer_tensors`` reads them again, one at a time, when they are written. Peak memory is then about
 one float layer plus the calibration activations, whatever the depth (``toolkit.heap.bound_heap`` keeps freed
-layer-sized blocks from lingering in the heap). Tensors are read as float32, as ``load_model`` loads them, so a streamed run computes
-exactly what an in-memory run does.
+layer-sized blocks from lingering in the heap). Tensors are read as float32, as ``load_model`` loads them, so a
+streamed run computes exactly what an in-memory run does.
 
 GGUF models cannot stream (transformers dequantizes a GGUF file whole); only safetensors directories can.
 """

@@ -37,7 +37,7 @@ class Divergence:
     base_perplexity: float
     tokens: int
     kl_counts: tuple[int, ...]
-    window_nll: tuple[float, ...] = ()
+    window_nll: tuple[float, ...]
 
 
 def divergence(
