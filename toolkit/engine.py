@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from toolkit.finite import all_finite
 from toolkit.heap import trim_heap
 from toolkit.models import ArchSpec, arch_spec, decoder_layers, layer_linears
 from toolkit.offload import DiskActivations
@@ -435,7 +436,7 @@ def _layer_output(out) -> torch.Tensor:
 
 def _check_finite(tensors: list[torch.Tensor], index: int) -> None:
     for t in tensors:
-        if not torch.isfinite(t).all():
+        if not all_finite(t):
             where = "the embeddings" if index < 0 else f"decoder layer {index}"
             raise ActivationError(
                 f"NaN or infinite activations after {where}; the model or its dtype overflows on the calibration "

@@ -31,6 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from toolkit.finite import all_finite
 from toolkit.formats.checkpoint import atomic_directory
 from toolkit.heads.data import Example
 from toolkit.heads.streamed_target import StreamedTarget
@@ -63,7 +64,7 @@ def target_hidden_states(model: nn.Module, input_ids: torch.Tensor, layers: Sequ
         states = model(input_ids.to(device), output_hidden_states=True, use_cache=False).hidden_states
         picked = [states[i] for i in layers]
     out = picked[0] if len(picked) == 1 else torch.stack(picked, dim=2)
-    if not torch.isfinite(out).all():
+    if not all_finite(out):
         raise HiddenStateError("the target produced non-finite hidden states (NaN/inf); check the model and its dtype")
     return out
 

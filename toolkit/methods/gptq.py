@@ -18,6 +18,7 @@ import torch
 
 from toolkit.distributed import mean_over_ranks
 from toolkit.engine import ActivationError, LayerSession
+from toolkit.finite import all_finite
 from toolkit.quant.gptq import HessianAccumulator, HessianFactor, gptq_factored, hessian_factor
 from toolkit.quant.primitives import QuantizedWeight
 
@@ -54,7 +55,7 @@ def _hessians(session: LayerSession, groups: list[list[str]], keep: bool = False
         accumulators[group[0]] = HessianAccumulator(weight.shape[1], device=weight.device)
 
     def on_input(name: str, X: torch.Tensor) -> None:
-        if not torch.isfinite(X).all():
+        if not all_finite(X):
             raise ActivationError(
                 f"NaN or infinite activations entering {name} of decoder layer {session.index}; the model or its "
                 f"dtype overflows on the calibration data (try --dtype float32, or check the checkpoint)"

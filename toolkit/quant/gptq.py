@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from toolkit.finite import all_finite
 from toolkit.quant.primitives import QuantizedWeight, default_g_idx, max_code, qparams_from_range
 
 # mse_clip: shrink factors of each group's [min, max] tried, and the error norm, as GPTQ's
@@ -114,7 +115,7 @@ def hessian_factor(H: torch.Tensor, damp: float = 0.01, act_order: bool = False)
     K = H.shape[0]
     if H.shape != (K, K):
         raise ValueError(f"H must be square, got {tuple(H.shape)}")
-    if not _all_finite(H):
+    if not all_finite(H):
         raise ValueError("H holds NaN or infinite values; the calibration activations overflowed")
     diagonal = H.diagonal().float().clone()  # not a view: H must be freeable below
     dead = diagonal == 0
@@ -136,7 +137,7 @@ def hessian_factor(H: torch.Tensor, damp: float = 0.01, act_order: bool = False)
             del reversed_h  # rebuilt from L in the rare case that L⁻¹ overflows
             reversed_inverse = torch.eye(K, dtype=L.dtype, device=L.device)  # L⁻¹ is solved into its storage
             torch.linalg.solve_triangular(L, reversed_inverse, upper=False, out=reversed_inverse)
-            if _all_finite(reversed_inverse):
+            if all_finite(reversed_inverse):
                 return HessianFactor(reversed_inverse, reversed_inverse.diagonal().flip(0), dead, perm)
             del reversed_inverse
             reversed_h = L @ L.mT
@@ -297,12 +298,6 @@ def _single_threaded(device: torch.device):
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-def _all_finite(matrix: torch.Tensor) -> bool:
-    """Whether every entry is finite, checked in row blocks (``torch.isfinite`` on the whole of a K×K matrix builds
-    temporaries nearly twice its size)."""
-    return all(bool(torch.isfinite(block).all()) for block in matrix.split(_GATHER_ROWS))
 
 
 def _raised_damp(damp: float) -> float:
