@@ -8,13 +8,14 @@ both heads share one work directory, so the second reuses the first's self-disti
 ``toolkit.heads.acceptance.validate_heads`` (what ``compound validate --heads`` runs) on prompts disjoint from the
 ones the runs selected their checkpoints on.
 
-    python benchmarks/heads_eagle.py [--kinds eagle3,eagle] [--reuse] [--threads 1] [--no-write]
+    python benchmarks/heads_eagle.py [--kinds eagle3,eagle] [--reuse] [--threads 1] [--section TITLE] [--no-write]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from decode import make_checkpoint  # noqa: E402
 from report import cpu_name, markdown_table, update_section  # noqa: E402
 
 CACHE = ROOT / "benchmarks" / ".cache"
@@ -91,8 +93,8 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads for evaluation (training: "
-                        "OMP_NUM_THREADS of the environment)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for training and evaluation")
+    parser.add_argument("--section", default="Draft heads (EAGLE, SmolLM2, CPU)", help="BENCHMARKS.md section")
     parser.add_argument("--work", type=Path, default=CACHE / "heads-smollm2-eagle.work")
     parser.add_argument("--reuse", action="store_true", help="evaluate existing outputs without training")
     parser.add_argument("--distilled-earlier", default=None, help="how the work directory's conversations were made "
@@ -109,7 +111,7 @@ def main() -> None:
         command = train_command(args, kind)
         commands.append(" ".join(command).replace(f"{ROOT}/", ""))
         if not args.reuse:
-            subprocess.run(command, check=True)
+            subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
         timings = json.loads((train_dir(args, kind) / "timings.json").read_text())
         training = json.loads((output_dir(args, kind) / "compound.json").read_text())["training"]
         phases.append([kind, str(training["examples"]), f"{training['tokens']:,}",
@@ -126,29 +128,35 @@ def main() -> None:
         rows += [report_row("medusa (own lm_heads)", r) for r in validate_heads(MODEL, MEDUSA, args.prompts,
                                                                                  args.new_tokens)]
     stack_rows = stacked(args, output_dir(args, "eagle3"), trained_shape(output_dir(args, "eagle3"))[0]) \
-        if "eagle3" in kinds and W4_CHECKPOINT.exists() else []
+        if "eagle3" in kinds and make_checkpoint(W4_CHECKPOINT) else []
 
     table = markdown_table(["head", "prompts / proposal", "shape", "accepted length τ", "acceptance per depth",
                             "greedy tok/s", "speculative tok/s", "speedup", "lossless"], rows)
     phase_table = markdown_table(["head", "conversations", "tokens", "data + hidden states, s",
                                   "training incl. evaluations, s", "whole command, min", "best step"], phases)
     stack_table = markdown_table(["target", "decoding", "τ", "tokens/s", "vs fp32 greedy", "lossless"], stack_rows)
+    names = {"eagle3": f"EAGLE-3 (draft vocabulary {args.draft_vocab}, aux layers 2/15/27, training-time test of "
+                       f"{args.ttt_steps} steps)", "eagle": "EAGLE-1"}
+    threads = "one thread" if args.threads == 1 else f"{args.threads} threads"
     body = (
-        f"EAGLE-3 (draft vocabulary {args.draft_vocab}, aux layers 2/15/27, training-time test of {args.ttt_steps} "
-        f"steps) and EAGLE-1 heads for SmolLM2-135M-Instruct, trained on the same self-distilled ShareGPT train-split "
-        f"conversations, {args.steps} steps of 8, checkpoint chosen by accepted length (dynamic tree: depth 5, top-4, "
-        f"8 nodes) on 3 held-out prompts. {cpu_name()}, torch {torch.__version__}, training and evaluation on "
-        f"**one torch thread** (the machine is shared: two processes with 2 threads each on 2 cores spin in OpenMP "
-        f"barriers and run 20× slower)."
+        " and ".join(names[kind] for kind in kinds) + (" heads" if len(kinds) > 1 else " head")
+        + " for SmolLM2-135M-Instruct, trained on " + ("the same " if len(kinds) > 1 else "")
+        + f"{args.samples} self-distilled ShareGPT train-split conversations, {args.steps} steps of 8, checkpoint "
+        f"chosen by accepted length (dynamic tree: depth 5, top-4, 8 nodes) on 3 held-out prompts. {cpu_name()}, "
+        f"torch {torch.__version__}, training and evaluation on "
+        + ("**one torch thread** (the machine is shared: two processes with 2 threads each on 2 cores spin in OpenMP "
+           "barriers and run 20× slower)." if args.threads == 1 else
+           f"**{args.threads} torch threads** with nothing else running.")
         + (f" Self-distillation: {args.distilled_earlier}" if args.distilled_earlier else "") + "\n\n"
         f"Held-out: {args.prompts} ShareGPT eval-split prompts per set (the non-English set has only the few that "
         f"exist), {args.new_tokens} new tokens each, greedy, target in fp32. `tree` is SGLang's kind of proposal "
         f"(`--speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 9`), `chain` vLLM's "
         f"(`num_speculative_tokens` 5); the other shapes are what `compound validate --heads` tries to recommend "
-        f"the fastest. Heads draft in bf16, the target verifies in fp32. Medusa: the heads of the section above "
-        f"(256 conversations, 250 steps), same prompts.\n\n"
+        f"the fastest. Heads draft in bf16, the target verifies in fp32."
+        + (" Medusa: the heads of the section above (256 conversations, 250 steps), same prompts." if MEDUSA.exists()
+           else "") + "\n\n"
         f"{table}\n\nRecommended (most tokens/s, all prompts): " + "; ".join(recommendations) + f"\n\n{phase_table}\n\n"
-        + (f"Both levers (same {args.prompts} prompts, one thread; the EAGLE-3 head was trained against the float "
+        + (f"Both levers (same {args.prompts} prompts, {threads}; the EAGLE-3 head was trained against the float "
            f"target):\n\n{stack_table}\n\n" + "The W4 rows' lossless column compares speculative with plain greedy decoding of the same W4 model: torch's "
            "int4 CPU op computes in bf16, and a tree forward (9 rows) rounds differently from a one-token forward, so "
            "near-ties can flip, as in the bf16 rows of the Medusa section (the likely cause; the flipped margins were "
@@ -158,13 +166,13 @@ def main() -> None:
         "5.19), but its data path asks a vLLM server for the hidden states (`speculators.data_generation.vllm_client`) "
         "and its trainer targets an accelerator (`torch.accelerator`, FSDP); it was not run here, so there is no "
         "side-by-side training time or accepted length.\n\n"
-        + "Commands: " + "; ".join(f"`{c}`" for c in commands) + f" (with `OMP_NUM_THREADS=1`), then "
+        + "Commands: " + "; ".join(f"`{c}`" for c in commands) + f" (with `OMP_NUM_THREADS={args.threads}`), then "
         f"`compound validate --model {MODEL} --heads OUT --prompts {args.prompts} --max-new-tokens {args.new_tokens} "
         f"--categories all,code,non-english` (all by `python benchmarks/heads_eagle.py`)."
     )
     print(table, phase_table, stack_table, sep="\n\n")
     if not args.no_write:
-        update_section("Draft heads (EAGLE, SmolLM2, CPU)", body)
+        update_section(args.section, body)
 
 
 if __name__ == "__main__":

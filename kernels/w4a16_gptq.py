@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from toolkit.kernels._launch import autotuned, check_activation, check_device, check_tensor, groups, launch
+from toolkit.kernels._tiles import dequant_dot, store_tile
 
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -74,18 +75,8 @@ def _gptq_kernel(
             zero = ((zwords >> zero_shift[None, :]) & 0xF) + ZERO_OFFSET
         else:
             zero = 8
-        w = ((q - zero).to(tl.float32) * scale).to(x_ptr.dtype.element_ty)  # (BLOCK_K, BLOCK_N)
-        if DOT_FP32:
-            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
-
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    mask_mn = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_mn)
-    else:
-        tl.atomic_add(y_ptrs, acc, mask=mask_mn)
+        acc = dequant_dot(acc, x, q, zero, scale, DOT_FP32)
+    store_tile(y_ptr, acc, offs_m, offs_n, mask_m, mask_n, stride_ym, stride_yn, SPLIT_K)
 
 
 _TUNED = autotuned(_gptq_kernel)
