@@ -114,11 +114,13 @@ def main() -> None:
             for r in validate_heads(MODEL, output, args.prompts, args.new_tokens, dtype=getattr(torch, dtype)):
                 rows.append([f"{variant} lm_head", dtype, r.mode, str(r.nodes), f"{r.mean_accepted_length:.2f}",
                              " / ".join(f"{a:.2f}" for a in r.acceptance_rate), f"{r.greedy_tokens_per_s:.1f}",
-                             f"{r.speculative_tokens_per_s:.1f}", f"{r.speedup:.2f}×", "yes" if r.lossless else "NO"])
+                             f"{r.speculative_tokens_per_s:.1f}", f"{r.speedup:.2f}×",
+                             f"{r.draft_ms_per_step:.0f} / {r.verify_ms_per_step:.0f}",
+                             f"{r.break_even_accepted_length:.2f}", "yes" if r.lossless else "NO"])
                 print(rows[-1], flush=True)
     table = markdown_table(["heads", "target dtype", "proposal", "nodes", "accepted length τ",
                             "acceptance per head (depth)", "greedy tok/s", "speculative tok/s", "speedup",
-                            "lossless"], rows)
+                            "draft / verify ms per step", "break-even τ", "lossless"], rows)
     phase_table = markdown_table(["variant", "data + hidden states, s", "training incl. evaluations, s",
                                   "whole command, s", "best step"], phases)
     training = next(iter(trainings.values()))

@@ -54,6 +54,7 @@ def train_dir(args, kind: str) -> Path:
 def report_row(name: str, r) -> list[str]:
     return [name, r.mode, r.shape, f"{r.mean_accepted_length:.2f}", " / ".join(f"{a:.2f}" for a in r.acceptance_rate),
             f"{r.greedy_tokens_per_s:.1f}", f"{r.speculative_tokens_per_s:.1f}", f"{r.speedup:.2f}×",
+            f"{r.draft_ms_per_step:.0f} / {r.verify_ms_per_step:.0f}", f"{r.break_even_accepted_length:.2f}",
             "yes" if r.lossless else "NO"]
 
 
@@ -131,7 +132,8 @@ def main() -> None:
         if "eagle3" in kinds and make_checkpoint(W4_CHECKPOINT) else []
 
     table = markdown_table(["head", "prompts / proposal", "shape", "accepted length τ", "acceptance per depth",
-                            "greedy tok/s", "speculative tok/s", "speedup", "lossless"], rows)
+                            "greedy tok/s", "speculative tok/s", "speedup", "draft / verify ms per step",
+                            "break-even τ", "lossless"], rows)
     phase_table = markdown_table(["head", "conversations", "tokens", "data + hidden states, s",
                                   "training incl. evaluations, s", "whole command, min", "best step"], phases)
     stack_table = markdown_table(["target", "decoding", "τ", "tokens/s", "vs fp32 greedy", "lossless"], stack_rows)

@@ -288,14 +288,17 @@ def _validate_heads(model: str, heads: Path, prompts: int, max_new_tokens: int, 
     table = Table(title=f"heads {heads} drafting for {model} ({dtype}): {prompts} held-out prompts × "
                         f"{max_new_tokens} tokens")
     for column in ("mode", "shape", "accepted length", "acceptance per depth", "tokens/s", "greedy tokens/s",
-                   "speedup", "lossless"):
+                   "speedup", "draft / verify ms per step", "break-even length", "lossless"):
         table.add_column(column, justify="left" if column in ("mode", "shape", "acceptance per depth") else "right")
     for r in reports:
         table.add_row(r.mode, r.shape, f"{r.mean_accepted_length:.3f}",
                       " ".join(f"{a:.2f}" for a in r.acceptance_rate), f"{r.speculative_tokens_per_s:.1f}",
                       f"{r.greedy_tokens_per_s:.1f}", f"{r.speedup:.2f}x",
+                      f"{r.draft_ms_per_step:.1f} / {r.verify_ms_per_step:.1f}", f"{r.break_even_accepted_length:.2f}",
                       "yes" if r.lossless else "[bold red]NO[/]")
     Console().print(table)
+    Console().print("break-even length: the accepted length at which a step (draft + verify) costs what plain "
+                    "greedy decoding takes for one token; speedup ≈ accepted length / break-even length")
     best = recommended(reports)
     Console().print(f"recommended: {best.mode} ({best.shape}), {best.speculative_tokens_per_s:.1f} tokens/s, "
                     f"{best.speedup:.2f}x plain greedy")

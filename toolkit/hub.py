@@ -297,14 +297,17 @@ def _results_body(results: dict | None) -> list[str]:
                   *generation_lines(report), ""]
     if reports := _acceptance(results):
         lines += ["### Speculative decoding", "", "Accepted length: tokens per target forward (the target's own "
-                  "token included). Acceptance at depth d: P(depth d accepted | depth d − 1 accepted).", "",
+                  "token included). Acceptance at depth d: P(depth d accepted | depth d − 1 accepted). Break-even "
+                  "length: the accepted length at which a step (draft + verify) costs what greedy decoding takes "
+                  "for one token on the machine that measured it.", "",
                   "| mode | draft nodes | accepted length | acceptance per depth | tokens/s | greedy tokens/s | "
-                  "speedup | lossless |", "|---|---:|---:|---|---:|---:|---:|---|"]
+                  "speedup | break-even length | lossless |", "|---|---:|---:|---|---:|---:|---:|---:|---|"]
         for r in reports:
             speedup = f"{r['speedup']:.2f}×" if isinstance(r.get("speedup"), (int, float)) else "–"
             cells = [r.get("mode"), r.get("nodes") or "–", r.get("mean_accepted_length"),
                      " ".join(f"{a:.2f}" for a in r["acceptance_rate"]), r.get("speculative_tokens_per_s", "–"),
-                     r.get("greedy_tokens_per_s", "–"), speedup, r.get("lossless", "–")]
+                     r.get("greedy_tokens_per_s", "–"), speedup, r.get("break_even_accepted_length", "–"),
+                     r.get("lossless", "–")]
             lines.append("| " + " | ".join(_fmt(cell) for cell in cells) + " |")
         lines += ["", f"![acceptance per draft depth]({PLOT})", "",
                   "Acceptance per draft depth: one group of bars per depth (depth 1 at the left), one bar per mode in "

@@ -55,6 +55,10 @@ def test_random_heads_are_lossless_in_both_modes(target, prompts):
         assert report.lossless and report.tokens == 2 * NEW
         assert 1.0 <= report.mean_accepted_length <= 4.0 and len(report.acceptance_rate) <= 3
         assert report.greedy_tokens_per_s > 0 and report.speculative_tokens_per_s > 0
+        assert report.draft_ms_per_step > 0 and report.verify_ms_per_step > 0
+        step_s = (report.draft_ms_per_step + report.verify_ms_per_step) / 1000
+        assert step_s < report.tokens / report.speculative_tokens_per_s  # a step is a part of the whole run
+        assert report.break_even_accepted_length == pytest.approx(step_s * report.greedy_tokens_per_s)
 
 
 def test_oracle_heads_are_always_accepted(target, prompts):

@@ -9,7 +9,9 @@ from toolkit.decode import Decoder, generate, speculative_generate
 from toolkit.decode.speculative import DraftContext
 from toolkit.heads.eagle import (EagleConfig, EagleHead, TTTAttention, draft_vocabulary, eagle3_loss,
                                  eagle3_step_outputs, eagle_loss)
-from toolkit.heads.eagle_draft import EagleDrafter, _Tree, eagle_decoder
+from toolkit.decode.tree import eagle2_tree
+from toolkit.heads.acceptance import eagle_shapes
+from toolkit.heads.eagle_draft import EagleDrafter, TreeShape, _Tree, eagle_decoder
 from toolkit.heads.hidden_states import target_hidden_states
 
 VOCAB = 512
@@ -164,6 +166,26 @@ def test_config_errors():
         EagleConfig("eagle", 8, 16, 2, 1, 4, 16, 16, aux_layers=(1,))
     with pytest.raises(ValueError, match="kind must be"):
         EagleConfig("hydra", 8, 16, 2, 1, 4, 16, 16)
+
+
+@pytest.mark.parametrize("depth,top_k,total", [(5, 4, 8), (6, 1, 10), (2, 4, 100), (3, 2, None)])
+def test_tree_shape_counts_the_nodes_the_tree_drafts(depth, top_k, total):
+    vocab = 50
+    g = torch.Generator().manual_seed(0)
+
+    def expand(tokens, parents, frontier):
+        return torch.randn(frontier.shape[0], vocab, generator=g).log_softmax(-1)
+
+    shape = TreeShape(depth, top_k, total)
+    drafted, _, _ = eagle2_tree(expand, depth, top_k, total or depth)
+    assert shape.nodes == drafted.shape[0]
+    assert (shape.describe() == f"chain of {depth}") == (top_k == 1)
+
+
+def test_explored_shapes_hold_a_real_tree_for_a_chain_trained_head():
+    shapes = dict(eagle_shapes(TreeShape(5), 5))
+    assert shapes["tree-wide"] == TreeShape(6, 2, 10) and shapes["tree-wide"].nodes == 10
+    assert [shapes[k].describe() for k in ("chain", "chain-4", "chain-6")] == ["chain of 5", "chain of 4", "chain of 6"]
 
 
 def test_unsupported_target_is_refused():

@@ -42,7 +42,8 @@ ACCEPTANCE = [
      "acceptance_rate": [0.55, 0.3, 0.2], "lossless": True, "tokens": 256, "speculative_tokens_per_s": 40.0,
      "greedy_tokens_per_s": 30.0, "speedup": 1.333},
     {"mode": "tree", "shape": "3-node tree", "nodes": 3, "mean_accepted_length": 2.1, "acceptance_rate": [0.7, 0.4, 0.25],
-     "lossless": True, "tokens": 256, "speculative_tokens_per_s": 45.0, "greedy_tokens_per_s": 30.0, "speedup": 1.5},
+     "lossless": True, "tokens": 256, "speculative_tokens_per_s": 45.0, "greedy_tokens_per_s": 30.0, "speedup": 1.5,
+     "break_even_accepted_length": 1.4},
 ]
 
 
@@ -173,7 +174,8 @@ def test_heads_card_serves_with_medusa_and_plots_acceptance(hub, tmp_path):
     assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and "library_name" not in meta
     spec = json.dumps({"method": "medusa", "model": repo, "num_speculative_tokens": 3}, separators=(",", ":"))
     assert f"vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --speculative-config '{spec}'" in card
-    assert "| tree | 3 | 2.1 | 0.70 0.40 0.25 | 45 | 30 | 1.50× | yes |" in card
+    assert "| tree | 3 | 2.1 | 0.70 0.40 0.25 | 45 | 30 | 1.50× | 1.4 | yes |" in card
+    assert "| chain | 3 | 1.8 | 0.55 0.30 0.20 | 40 | 30 | 1.33× | – | yes |" in card  # a report from before the split
     assert "| at best step: mean accepted length | 1.9 |" in card
     assert "![acceptance per draft depth](acceptance.png)" in card
     width, height, pixels = decode_png(hub.read(repo, "acceptance.png"))

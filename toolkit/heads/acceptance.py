@@ -91,13 +91,22 @@ class AcceptanceReport:
     speculative_tokens_per_s: float
     greedy_tokens_per_s: float
     per_prompt_accepted_length: list[float] = field(default_factory=list)
+    draft_ms_per_step: float = 0.0  # proposing, per verify step
+    verify_ms_per_step: float = 0.0  # the target's tree forward and the walk down it, per verify step
 
     @property
     def speedup(self) -> float:
         return self.speculative_tokens_per_s / self.greedy_tokens_per_s if self.greedy_tokens_per_s else 0.0
 
+    @property
+    def break_even_accepted_length(self) -> float:
+        """The accepted length at which this shape's step (draft + verify) pays for itself against plain greedy's
+        one-token step: speedup ≈ accepted length / this."""
+        step_ms = self.draft_ms_per_step + self.verify_ms_per_step
+        return step_ms * self.greedy_tokens_per_s / 1000 if self.greedy_tokens_per_s else 0.0
+
     def to_dict(self) -> dict:
-        return asdict(self) | {"speedup": self.speedup}
+        return asdict(self) | {"speedup": self.speedup, "break_even_accepted_length": self.break_even_accepted_length}
 
 
 def heads_callable(heads: nn.Module, dtype: torch.dtype = torch.bfloat16) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -133,7 +142,7 @@ def measure_drafter(decoder: Decoder, drafter: Drafter, prompts: Sequence[torch.
     accepted: list[int] = []
     reached: list[int] = []
     hits: list[int] = []
-    per_prompt, lossless, tokens, spec_s = [], True, 0, 0.0
+    per_prompt, lossless, tokens, spec_s, draft_s, verify_s = [], True, 0, 0.0, 0.0, 0.0
     for prompt, reference in zip(prompts, greedy):
         out, stats = speculative_generate(decoder, drafter, prompt, max_new_tokens, eos_token_id=eos_token_id)
         lossless &= torch.equal(out, reference)
@@ -147,6 +156,8 @@ def measure_drafter(decoder: Decoder, drafter: Drafter, prompts: Sequence[torch.
         per_prompt.append(stats.mean_accepted_length)
         tokens += stats.new_tokens
         spec_s += stats.total_s
+        draft_s += stats.draft_s
+        verify_s += stats.verify_s
     greedy_tokens = sum(len(g) - len(p) for g, p in zip(greedy, prompts))
     return AcceptanceReport(
         mode=mode, shape=shape, nodes=nodes,
@@ -156,6 +167,8 @@ def measure_drafter(decoder: Decoder, drafter: Drafter, prompts: Sequence[torch.
         speculative_tokens_per_s=tokens / spec_s if spec_s else 0.0,
         greedy_tokens_per_s=greedy_tokens / greedy_s if greedy_s else 0.0,
         per_prompt_accepted_length=per_prompt,
+        draft_ms_per_step=1000 * draft_s / len(accepted) if accepted else 0.0,
+        verify_ms_per_step=1000 * verify_s / len(accepted) if accepted else 0.0,
     )
 
 
@@ -203,7 +216,7 @@ def eagle_shapes(tree: TreeShape, chain: int) -> list[tuple[str, TreeShape]]:
     shapes = [("tree", tree), ("chain", TreeShape(chain))]
     for k in sorted({max(1, chain - 1), chain + 1}):
         shapes.append((f"chain-{k}", TreeShape(k)))
-    wide = TreeShape(tree.depth + 1, tree.top_k, 2 * tree.nodes)
+    wide = TreeShape(tree.depth + 1, max(tree.top_k, 2), 2 * tree.nodes)  # a tree even when ``tree`` is a chain
     shapes.append(("tree-wide", wide))
     return shapes
 

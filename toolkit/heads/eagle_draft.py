@@ -39,7 +39,9 @@ class TreeShape:
 
     @property
     def nodes(self) -> int:
-        return self.total_tokens or self.depth
+        """Nodes verified per step: ``total_tokens`` (default ``depth``), at most what the tree drafts (``top_k``
+        children of the root, then ``top_k`` children of each of the ``top_k`` expanded nodes per step)."""
+        return min(self.total_tokens or self.depth, self.top_k + (self.depth - 1) * self.top_k ** 2)
 
     def describe(self) -> str:
         if self.top_k == 1 and self.nodes == self.depth:
