@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     args = parser.parse_args()
 
-    from toolkit.heads.acceptance import validate_heads
+    from toolkit.evaluate.acceptance import validate_heads
 
     work = args.output.with_name(args.output.name + ".work")
     if not args.reuse and not args.keep_work:

@@ -5,7 +5,7 @@ levers stacked (W4 target + EAGLE-3).
 
 Training is the ``compound train-heads`` command printed in the section (a subprocess, exactly what a user types;
 both heads share one work directory, so the second reuses the first's self-distilled data); evaluation is
-``toolkit.heads.acceptance.validate_heads`` (what ``compound validate --heads`` runs) on prompts disjoint from the
+``toolkit.evaluate.acceptance.validate_heads`` (what ``compound validate --heads`` runs) on prompts disjoint from the
 ones the runs selected their checkpoints on.
 
     python benchmarks/heads_eagle.py [--kinds eagle3,eagle] [--reuse] [--threads 1] [--section TITLE] [--no-write]
@@ -60,7 +60,8 @@ def report_row(name: str, r) -> list[str]:
 
 def stacked(args, head_dir: Path, shape) -> list[list[str]]:
     """fp32 greedy, W4 greedy and W4 + EAGLE-3 (the head trained on the float target) in compound's loop."""
-    from toolkit.heads.acceptance import greedy_outputs, heldout_prompts, measure_eagle
+    from toolkit.decode import greedy_outputs
+    from toolkit.evaluate.acceptance import heldout_prompts, measure_eagle
     from toolkit.heads.eagle_export import load_eagle
     from toolkit.models import load_model, load_tokenizer
     from toolkit.runtime.load import load_quantized
@@ -103,7 +104,7 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     args = parser.parse_args()
 
-    from toolkit.heads.acceptance import recommended, trained_shape, validate_heads
+    from toolkit.evaluate.acceptance import recommended, trained_shape, validate_heads
 
     torch.set_num_threads(args.threads)
     kinds = args.kinds.split(",")

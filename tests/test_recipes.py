@@ -13,8 +13,8 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 import toolkit.evaluate.suite
-import toolkit.heads.acceptance
-import toolkit.heads.pipeline
+import toolkit.evaluate.acceptance
+import toolkit.train_heads
 import toolkit.hub
 import toolkit.quantize
 import toolkit.validate
@@ -27,8 +27,8 @@ RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 QUIET = Console(quiet=True)
 # The verbs the steps call, by module: counted in every run test, so "cached" means "not called".
 VERBS = {"quantize": (toolkit.quantize, "quantize"), "evaluate": (toolkit.evaluate.suite, "evaluate"),
-         "validate": (toolkit.validate, "validate"), "heads": (toolkit.heads.pipeline, "train_heads"),
-         "heads_eval": (toolkit.heads.acceptance, "validate_heads")}
+         "validate": (toolkit.validate, "validate"), "heads": (toolkit.train_heads, "train_heads"),
+         "heads_eval": (toolkit.evaluate.acceptance, "validate_heads")}
 
 TINY = """\
 model: {model}

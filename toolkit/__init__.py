@@ -3,9 +3,9 @@
 The public verbs are imported lazily so that ``import toolkit`` stays cheap (no torch until a verb is used).
 """
 
-__version__ = "0.1.0"
+from toolkit.version import __version__
 
-__all__ = ["quantize", "load_quantized", "perplexity"]
+__all__ = ["__version__", "quantize", "load_quantized", "perplexity"]
 
 
 def __getattr__(name):

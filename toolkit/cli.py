@@ -53,7 +53,7 @@ def _fail(err: Exception) -> None:
 
 def _user_errors() -> tuple[type[Exception], ...]:
     from toolkit.calibration import CalibrationError
-    from toolkit.engine import ActivationError
+    from toolkit.engine.loop import ActivationError
     from toolkit.models import ModelError
     from toolkit.quant.configs import ConfigError
     from toolkit.runtime.load import CheckpointError
@@ -276,7 +276,7 @@ def _validate_heads(model: str, heads: Path, prompts: int, max_new_tokens: int, 
                     json_out: Optional[Path]) -> None:
     import torch
 
-    from toolkit.heads.acceptance import recommended, validate_heads
+    from toolkit.evaluate.acceptance import recommended, validate_heads
 
     try:
         if dtype not in ("float32", "bfloat16"):
@@ -351,8 +351,8 @@ def train_heads(
     dry_run: bool = typer.Option(False, help="Show one rendered example with its trained tokens highlighted, then stop."),
 ):
     """Train draft heads on the target's own hidden states and export them for vLLM (runs under torchrun too)."""
-    from toolkit.heads.pipeline import HeadsJob
-    from toolkit.heads.pipeline import train_heads as run_train_heads
+    from toolkit.train_heads import HeadsJob
+    from toolkit.train_heads import train_heads as run_train_heads
     from toolkit.heads.train import TrainConfig
 
     try:

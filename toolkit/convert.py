@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from toolkit import __version__
+from toolkit.version import __version__
 from toolkit.formats.checkpoint import MANIFEST, WEIGHTS_INDEX, read_tensors, write_directory
 from toolkit.quant import kv_cache as kv
 from toolkit.quant.configs import ConfigError, make_config

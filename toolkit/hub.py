@@ -266,7 +266,7 @@ def _medusa_body(manifest: dict, medusa: dict, k, name: str, target: str, served
              "verifies them, so the output is the target's own.", ""]
     if manifest.get("layout") == "medusa":
         lines += ["These are in FasterDecoding's layout (`medusa_lm_head.safetensors`). For vLLM, convert them: "
-                  "`export_medusa(load_medusa(dir), out, layout='vllm')` (`toolkit.heads.export`).", ""]
+                  "`export_medusa(load_medusa(dir), out, layout='vllm')` (`toolkit.heads.medusa_export`).", ""]
     else:
         spec = json.dumps({"method": "medusa", "model": name, "num_speculative_tokens": k}, separators=(",", ":"))
         lines += ["## Serve", "", "```bash", f"vllm serve {served} --speculative-config '{spec}'", "```", ""]

@@ -6,7 +6,7 @@ A spec is one of:
   * a Hub id (``org/name``), loaded by the real ``from_pretrained`` path (unreachable offline: a clear error).
 
 The architecture table lists the model types compound knows how to walk; linears inside a decoder layer are found by
-module type, and how they share inputs is traced at run time (``toolkit.engine``), so no model is special-cased.
+module type, and how they share inputs is traced at run time (``toolkit.engine.loop``), so no model is special-cased.
 """
 
 from __future__ import annotations

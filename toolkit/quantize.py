@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 
-from toolkit import __version__, distributed, memory
-from toolkit.engine import Progress, capture_layer_inputs, check_widths, quantize_layers
+from toolkit.engine import distributed, memory
+from toolkit.version import __version__
+from toolkit.engine.loop import Progress, capture_layer_inputs, check_widths, quantize_layers
 from toolkit.formats import awq as awq_format
 from toolkit.formats import compressed_tensors as ct_format
 from toolkit.formats import gptq as gptq_format
@@ -21,8 +22,8 @@ from toolkit.methods import ERROR_MEASURES, driver_for
 from toolkit.models import arch_spec, decoder_layers, empty_model, load_model, load_tokenizer
 from toolkit.quant import kv_cache as kv
 from toolkit.quant.configs import ConfigError, WeightQuantConfig
-from toolkit.shards import is_safetensors_dir
-from toolkit.streaming import StreamedLayers, outer_names, outer_tensors, stream_model
+from toolkit.engine.shards import is_safetensors_dir
+from toolkit.engine.streaming import StreamedLayers, outer_names, outer_tensors, stream_model
 
 FORMATS = {"gptq": gptq_format, "awq": awq_format, "compressed-tensors": ct_format}
 
@@ -86,7 +87,7 @@ def quantize(
     ``--calculate-kv-scales``): there the scales serve compound's runtime, and the manifest records their type.
 
     stream: read each decoder layer from the safetensors shards of a local model directory when the engine reaches
-    it and write it out quantized as soon as it is done (``toolkit.streaming``): peak memory about one float layer
+    it and write it out quantized as soon as it is done (``toolkit.engine.streaming``): peak memory about one float layer
     plus the activations and embeddings instead of the whole model. The checkpoint holds the same tensors, one shard
     per decoder layer plus one for the rest. No KV-cache scales in this mode yet.
     offload_activations: keep the calibration activations between layers on disk (next to ``output``).
@@ -94,7 +95,7 @@ def quantize(
 
     Under ``torchrun`` (data parallel; RTN and GPTQ): every rank builds the same calibration batch and runs the
     engine on its device over every world-th sequence of it; GPTQ's Hessians and the KV-cache absmax are reduced
-    over ranks (``toolkit.distributed``), so each rank quantizes with the whole batch's statistics, and rank 0
+    over ranks (``toolkit.engine.distributed``), so each rank quantizes with the whole batch's statistics, and rank 0
     alone writes the checkpoint while the others wait for it.
 
     Steps: 1. refuse unsupported format settings and an existing output; 2. load the tokenizer and the model's

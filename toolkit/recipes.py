@@ -9,9 +9,9 @@ Steps, in order, each one call of an existing verb (the steps a recipe has no se
 2. evaluate    ``compound eval`` of the quantized model against the float one (``toolkit.evaluate.suite``): perplexity,
                KL and agreement per held-out slice, generation checks; ``<output>/eval/eval.json`` feeds gates and card
 3. validate    ``toolkit.validate.validate`` on the checkpoint (hashes, runtime paths, serving preview)
-4. heads       ``toolkit.heads.pipeline.train_heads`` → ``<output>/heads``, trained against the quantized checkpoint
+4. heads       ``toolkit.train_heads.train_heads`` → ``<output>/heads``, trained against the quantized checkpoint
                when there is one (heads are trained against the model they serve), else the float model
-5. heads_eval  ``toolkit.heads.acceptance.validate_heads``: accepted length in tree and chain mode, losslessness
+5. heads_eval  ``toolkit.evaluate.acceptance.validate_heads``: accepted length in tree and chain mode, losslessness
 6. gates       thresholds on the numbers above (``check_gates``); a failed gate stops the run before any push
 7. push        ``toolkit.hub.push``: the checkpoint to ``push.repo_id``, the heads to ``push.heads_repo_id``
                (default ``<repo_id>-medusa``). Two repos, because engines name a speculative model by its own repo
@@ -44,7 +44,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from toolkit import __version__
+from toolkit.version import __version__
 from toolkit.quant.configs import METHODS, SUPPORTED_GROUP_SIZES, ConfigError, make_config
 
 NO_TOKEN = ("no Hugging Face token configured (set HF_TOKEN or run `hf auth login`), so nothing was pushed; "
@@ -476,7 +476,7 @@ def _plan(recipe: Recipe) -> list[_Step]:
 def step_fingerprints(recipe: Recipe) -> dict[str, str]:
     """SHA-256 per step of its resolved inputs, upstream fingerprints, model identity and compound version; push's
     reads every measuring step and the push section."""
-    from toolkit.heads.pipeline import target_identity
+    from toolkit.train_heads import target_identity
 
     model = target_identity(recipe.model)
     prints: dict[str, str] = {}
@@ -552,7 +552,7 @@ def _validate(recipe: Recipe, console: Console) -> dict:
 
 
 def _heads(recipe: Recipe, console: Console) -> dict:
-    from toolkit.heads.pipeline import HeadsJob, train_heads
+    from toolkit.train_heads import HeadsJob, train_heads
 
     h, target = recipe.heads, recipe.heads_target
     console.print(f"training {f'{h.num_heads} medusa heads' if h.type == 'medusa' else f'an {h.type} head'} "
@@ -570,7 +570,7 @@ def _heads(recipe: Recipe, console: Console) -> dict:
 
 
 def _heads_eval(recipe: Recipe, console: Console) -> dict:
-    from toolkit.heads.acceptance import validate_heads
+    from toolkit.evaluate.acceptance import validate_heads
 
     ev = recipe.evaluate
     console.print(f"measuring the heads' accepted length on {ev.prompts} held-out prompts × {ev.new_tokens} tokens")

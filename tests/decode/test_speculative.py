@@ -234,7 +234,7 @@ def test_verify_with_sampled_siblings_keeps_the_distribution():
 def test_smollm2_with_its_own_w4_quantization_as_draft_is_lossless(smol_tokenizer):
     """A real small draft model: SmolLM2 quantized to RTN W4 g64 drafts for the float SmolLM2. Greedy speculative
     output must equal the target's own greedy output, and a draft this close is accepted most of the time."""
-    from toolkit.engine import quantize_layers
+    from toolkit.engine.loop import quantize_layers
     from toolkit.methods import driver_for
     from toolkit.models import load_model
     from toolkit.quant.configs import RTNConfig

@@ -90,7 +90,7 @@ def test_a_quantized_checkpoint_reports_its_per_layer_error(tmp_path, tiny_llama
 
 
 def test_heads_get_an_accepted_length_per_slice(tmp_path, tiny_llama_dir):
-    from toolkit.heads.export import export_medusa
+    from toolkit.heads.medusa_export import export_medusa
     from toolkit.heads.medusa import MedusaConfig, MedusaHeads
 
     torch.manual_seed(0)

@@ -88,7 +88,7 @@ def test_write_checkpoint_contents_and_manifest(tmp_path, smol_tokenizer):
 def _packed_tiny_llama():
     """A tiny Llama quantized in memory (RTN W4 g32) and its linears packed as GPTQ."""
     from conftest import tiny_model
-    from toolkit.engine import quantize_layers
+    from toolkit.engine.loop import quantize_layers
     from toolkit.formats import gptq
     from toolkit.methods import driver_for
     from toolkit.quant.configs import RTNConfig

@@ -10,7 +10,7 @@ from toolkit.decode.speculative import DraftContext
 from toolkit.heads.eagle import (EagleConfig, EagleHead, TTTAttention, draft_vocabulary, eagle3_loss,
                                  eagle3_step_outputs, eagle_loss)
 from toolkit.decode.tree import eagle2_tree
-from toolkit.heads.acceptance import eagle_shapes
+from toolkit.evaluate.acceptance import eagle_shapes
 from toolkit.heads.eagle_draft import EagleDrafter, TreeShape, _Tree, eagle_decoder
 from toolkit.heads.hidden_states import target_hidden_states
 

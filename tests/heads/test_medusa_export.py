@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from toolkit.formats.checkpoint import MANIFEST, sha256_file
-from toolkit.heads.export import expected_medusa_tensors, export_medusa, load_medusa
+from toolkit.heads.medusa_export import expected_medusa_tensors, export_medusa, load_medusa
 from toolkit.heads.medusa import MedusaConfig, MedusaHeads
 
 H, V, K, L = 16, 50, 3, 2

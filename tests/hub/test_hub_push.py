@@ -156,7 +156,7 @@ def test_push_round_trip(hub, artifact, tmp_path):
 
 
 def test_heads_card_serves_with_medusa_and_plots_acceptance(hub, tmp_path):
-    from toolkit.heads.export import export_medusa
+    from toolkit.heads.medusa_export import export_medusa
     from toolkit.heads.medusa import MedusaConfig, MedusaHeads
 
     heads = export_medusa(MedusaHeads(MedusaConfig(hidden_size=64, vocab_size=256, num_heads=3)), tmp_path / "heads",
@@ -393,7 +393,7 @@ def test_plot_and_aliases():
 
 
 def test_heads_for_a_quantized_target_link_its_base_and_leave_the_target_to_fill(artifact, tmp_path):
-    from toolkit.heads.export import export_medusa
+    from toolkit.heads.medusa_export import export_medusa
     from toolkit.heads.medusa import MedusaConfig, MedusaHeads
 
     heads = export_medusa(MedusaHeads(MedusaConfig(hidden_size=64, vocab_size=256, num_heads=2)), tmp_path / "heads",

@@ -5,7 +5,7 @@ Target: the float SmolLM2-135M-Instruct (the embedded GGUF, written as a Hugging
 ``MedusaHeads.from_target`` then fitted for a few seconds on the target's own greedy continuations of the first three
 prompts (blocks only: the output layers stay copies of the target's ``lm_head``, each 28M parameters that these
 few steps need not move); the fourth prompt is unseen, so acceptance is high on three prompts and ~1 on the fourth.
-Exported in vLLM's layout (``toolkit.heads.export``), in float32 like both runs.
+Exported in vLLM's layout (``toolkit.heads.medusa_export``), in float32 like both runs.
 
 Counting (vLLM 0.32.0): ``Scheduler.update_from_output`` records one draft per request per verify step that carried
 drafts, with accepted = tokens the step emitted - 1; the mean accepted length is 1 + accepted / drafts
@@ -86,7 +86,7 @@ def compound_prediction(model, heads, prompts: list[list[int]]) -> tuple[list[li
 
 
 def test_vllm_serves_compound_medusa_heads_losslessly_at_the_predicted_acceptance(spec_target, tmp_path):
-    from toolkit.heads.export import export_medusa
+    from toolkit.heads.medusa_export import export_medusa
 
     model, target_dir, target_sha256, prompts = spec_target
     heads = fit_heads(model, prompts[:FITTED])

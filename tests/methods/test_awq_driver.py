@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from toolkit.engine import LayerInputs, quantize_layers
+from toolkit.engine.loop import LayerInputs, quantize_layers
 from toolkit.methods import DRIVERS, rtn
 from toolkit.methods import awq as driver
 from toolkit.models import arch_spec, decoder_layers

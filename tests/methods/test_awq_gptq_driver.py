@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from toolkit.engine import quantize_layers
+from toolkit.engine.loop import quantize_layers
 from toolkit.methods import DRIVERS, awq_gptq, driver_for
 from toolkit.models import decoder_layers
 from toolkit.quant.configs import AWQConfig, AWQGPTQConfig, ConfigError, GPTQConfig, make_config

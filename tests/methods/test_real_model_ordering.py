@@ -19,7 +19,7 @@ the default 4096, which moved AWQ's perplexity from 27.26 to 27.40).
 import pytest
 
 from toolkit.calibration import calibration_batch, eval_windows
-from toolkit.engine import quantize_layers
+from toolkit.engine.loop import quantize_layers
 from toolkit.evaluate.perplexity import perplexity
 from toolkit.methods import driver_for
 from toolkit.models import load_model, load_tokenizer

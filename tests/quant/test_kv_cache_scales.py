@@ -38,7 +38,7 @@ def _hand_computed_kv_absmax(tokenizer, config):
 
     from conftest import tiny_model
     from toolkit.calibration import calibration_batch
-    from toolkit.engine import quantize_layers
+    from toolkit.engine.loop import quantize_layers
     from toolkit.methods import driver_for
 
     model = tiny_model("llama")

@@ -16,7 +16,7 @@ def test_checkpoint_round_trip_gives_the_fake_quantized_model(tmp_path, tiny_lla
     linears = [m for m in loaded.modules() if isinstance(m, QuantLinear)]
     assert len(linears) == 14
     # the same model quantized in memory (weights replaced by their dequantized values) is the reference
-    from toolkit.engine import quantize_layers
+    from toolkit.engine.loop import quantize_layers
     from toolkit.methods import driver_for
 
     reference = tiny_model("llama")
@@ -72,7 +72,7 @@ def test_asymmetric_awq_and_compressed_tensors_agree(tmp_path, tiny_llama_dir):
 
 
 def test_compressed_tensors_w8_channel_bf16_scales(tmp_path, tiny_llama_dir):
-    from toolkit.engine import quantize_layers
+    from toolkit.engine.loop import quantize_layers
     from toolkit.methods import driver_for
 
     config = RTNConfig(bits=8, group_size=-1, sym=False)

@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch import nn
 
 from toolkit.decode.model import DecodeError, Decoder
 from toolkit.decode.sampling import SamplingConfig, sample
@@ -118,3 +120,16 @@ def check_capacity(decoder: Decoder, needed: int) -> None:
     if needed > decoder.max_len:
         raise DecodeError(f"the run needs {needed} cache slots but the decoder has max_len={decoder.max_len}; "
                           f"rebuild with Decoder.from_model(model, max_len={needed}) or more")
+
+
+@torch.inference_mode()
+def greedy_outputs(target: nn.Module, prompts: Sequence[torch.Tensor], max_new_tokens: int,
+                   eos_token_id: int | None = None) -> tuple[list[torch.Tensor], float]:
+    """Plain greedy decoding of each prompt with compound's loop: (outputs, total seconds)."""
+    decoder = Decoder.from_model(target, max(len(p) for p in prompts) + max_new_tokens)
+    outputs, seconds = [], 0.0
+    for prompt in prompts:
+        out, stats = generate(decoder, prompt, max_new_tokens, eos_token_id=eos_token_id)
+        outputs.append(out)
+        seconds += stats.total_s
+    return outputs, seconds

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from torch import nn
 
-from toolkit.heads.acceptance import greedy_outputs
+from toolkit.decode import greedy_outputs
 
 SETS = ("json", "code", "factual")
 _FENCED = re.compile(r"```[\w+-]*\n(.*?)(```|$)", re.DOTALL)

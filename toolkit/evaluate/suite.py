@@ -137,7 +137,7 @@ def _row(result, windows: int, against_base: bool) -> dict:
 
 
 def _acceptance(model: str, heads: Path | str, prompts: int, new_tokens: int) -> dict:
-    from toolkit.heads.acceptance import validate_heads
+    from toolkit.evaluate.acceptance import validate_heads
 
     reports = {r.mode: r for r in validate_heads(model, heads, prompts, new_tokens, categories=("all", *SLICES),
                                                  explore=False)}

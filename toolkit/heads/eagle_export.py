@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from toolkit import __version__
+from toolkit.version import __version__
 from toolkit.formats.checkpoint import MANIFEST, WEIGHTS, atomic_directory, sha256_file, verify_manifest
 from toolkit.heads.eagle import EagleConfig, EagleHead
 

@@ -31,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from toolkit.finite import all_finite
+from toolkit.quant.finite import all_finite
 from toolkit.formats.checkpoint import atomic_directory
 from toolkit.heads.data import Example
 from toolkit.heads.streamed_target import StreamedTarget

@@ -2,7 +2,7 @@
 
 The heads' hidden-state cache needs only a forward of the target per batch, never generation, so the target can be
 streamed like the quantize engine streams it: the embeddings and final norm stay in memory, and each forward reads
-every decoder layer from the safetensors shards in turn (``toolkit.streaming.read_layer``), runs the whole batch
+every decoder layer from the safetensors shards in turn (``toolkit.engine.streaming.read_layer``), runs the whole batch
 through it and returns its weights to the meta device. Peak memory: embeddings + one layer + the batch's
 activations. The model's own forward computes what enters the first layer (position embeddings, masks), and every
 layer gets the same keyword arguments the full model would pass it, so the states are those of the in-memory model
@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from toolkit.engine import capture_layer_inputs
+from toolkit.engine.loop import capture_layer_inputs
 from toolkit.models import ModelError, arch_spec, decoder_layers
-from toolkit.streaming import read_layer, release_layer, stream_model
+from toolkit.engine.streaming import read_layer, release_layer, stream_model
 
 
 class StreamedTarget:

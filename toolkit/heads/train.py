@@ -46,7 +46,7 @@ import torch.distributed as dist
 from rich.progress import Progress, TextColumn
 from torch import nn
 
-from toolkit import distributed
+from toolkit.engine import distributed
 from toolkit.formats.checkpoint import atomic_directory
 
 LossFn = Callable[[nn.Module, dict], tuple[torch.Tensor, int, dict[str, float]]]
@@ -363,7 +363,7 @@ def _evaluate_and_select(model, eval_fn, config, out_dir, state, rank, world, de
 
 
 def _join_process_group(model: nn.Module) -> tuple[int, int, torch.device]:
-    """(rank, world size, device). Under torchrun (``toolkit.distributed.join``) on CUDA each rank takes
+    """(rank, world size, device). Under torchrun (``toolkit.engine.distributed.join``) on CUDA each rank takes
     cuda:LOCAL_RANK; otherwise the model stays on its device."""
     rank, world = distributed.join()
     device = next(model.parameters()).device

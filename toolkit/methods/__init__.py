@@ -6,7 +6,7 @@ its config in ``toolkit.quant.configs``, never editing a dispatcher.
 
 from __future__ import annotations
 
-from toolkit.engine import LayerDriver
+from toolkit.engine.loop import LayerDriver
 from toolkit.methods import awq
 from toolkit.methods import awq_gptq
 from toolkit.methods import gptq

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from toolkit.engine import LayerInputs, LayerSession
+from toolkit.engine.loop import LayerInputs, LayerSession
 from toolkit.quant import awq
 from toolkit.quant.primitives import QuantizedWeight
 
@@ -82,7 +82,7 @@ def scale_layer(session: LayerSession) -> LayerActivations:
     Returns what every linear reads afterwards (the rescaled activations), for the quantizer that follows."""
     cfg, arch, layer = session.config, session.arch, session.layer
     if arch is None:
-        raise ValueError("AWQ needs the layer's ArchSpec (session.arch); run it through toolkit.engine.quantize_layers")
+        raise ValueError("AWQ needs the layer's ArchSpec (session.arch); run it through toolkit.engine.loop.quantize_layers")
     if session.inputs is None:
         raise ValueError("AWQ needs calibration activations; pass calibration tokens to quantize_layers")
     calib = dataclasses.replace(

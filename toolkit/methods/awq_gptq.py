@@ -19,7 +19,7 @@ tiny salient-channel Llamas, layer-output error 0.12 against 0.09).
 
 from __future__ import annotations
 
-from toolkit.engine import LayerSession
+from toolkit.engine.loop import LayerSession
 from toolkit.methods import awq, gptq
 from toolkit.quant.primitives import QuantizedWeight
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.distributed import mean_over_ranks
-from toolkit.engine import ActivationError, LayerSession
-from toolkit.finite import all_finite
+from toolkit.engine.distributed import mean_over_ranks
+from toolkit.engine.loop import ActivationError, LayerSession
+from toolkit.quant.finite import all_finite
 from toolkit.quant.gptq import HessianAccumulator, HessianFactor, gptq_factored, hessian_factor
 from toolkit.quant.primitives import QuantizedWeight
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from toolkit.engine import LayerSession
+from toolkit.engine.loop import LayerSession
 from toolkit.quant.primitives import QuantizedWeight, quantize_rtn
 
 

@@ -21,6 +21,8 @@ class WeightQuantConfig:
 
     bits: code width, 2..8. group_size: input columns per scale (-1: per output channel; 32/64/128).
     sym: symmetric grid (zero fixed at 2^(bits-1)). skip: module names or suffixes left in float (lm_head by default).
+    act_order / static_groups: the column order the codes were chosen in, which every format must record (only
+    GPTQ-based methods reorder: see ``GPTQConfig``).
     """
 
     bits: int = 4
@@ -28,6 +30,8 @@ class WeightQuantConfig:
     sym: bool = True
     skip: tuple[str, ...] = ("lm_head",)
     seed: int = 0
+    act_order: bool = False
+    static_groups: bool = True
     version: int = field(default=1, repr=False)
 
     method = "base"
@@ -79,7 +83,6 @@ class GPTQConfig(WeightQuantConfig):
     damp: float = 0.01
     block_size: int = 128
     act_order: bool = True
-    static_groups: bool = True
     mse_clip: bool = False
     true_sequential: bool = True
 

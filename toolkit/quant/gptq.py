@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.finite import all_finite
+from toolkit.quant.finite import all_finite
 from toolkit.quant.primitives import QuantizedWeight, default_g_idx, max_code, qparams_from_range
 
 # mse_clip: shrink factors of each group's [min, max] tried, and the error norm, as GPTQ's

@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from conftest import tiny_model
-from toolkit.heads import acceptance
+from toolkit.decode import greedy_outputs
+from toolkit.evaluate import acceptance
 from toolkit.heads.hidden_states import target_hidden_states
 from toolkit.heads.medusa import MedusaHeads
 
@@ -49,7 +50,7 @@ def test_random_heads_are_lossless_in_both_modes(target, prompts):
     with torch.no_grad():
         for head in heads.blocks:
             head[0].linear.weight.normal_(0, 0.5)
-    greedy, seconds = acceptance.greedy_outputs(target, prompts, NEW)
+    greedy, seconds = greedy_outputs(target, prompts, NEW)
     for mode, paths in (("tree", acceptance.tree_for(3)), ("chain", acceptance.chain_paths(3))):
         report = acceptance.measure_acceptance(target, heads, prompts, NEW, paths, mode, None, greedy, seconds)
         assert report.lossless and report.tokens == 2 * NEW
@@ -62,7 +63,7 @@ def test_random_heads_are_lossless_in_both_modes(target, prompts):
 
 
 def test_oracle_heads_are_always_accepted(target, prompts):
-    greedy, seconds = acceptance.greedy_outputs(target, prompts, NEW)
+    greedy, seconds = greedy_outputs(target, prompts, NEW)
     oracle = Oracle(target, greedy, num_heads=3)
     report = acceptance.measure_acceptance(target, oracle, prompts, NEW, acceptance.chain_paths(3), "chain", None,
                                            greedy, seconds, draft_dtype=torch.float32)

@@ -32,16 +32,17 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from toolkit import distributed
+from toolkit.decode import greedy_outputs
+from toolkit.engine import distributed
+from toolkit.evaluate import acceptance
 from toolkit.formats.checkpoint import sha256_file
-from toolkit.heads import acceptance
 from toolkit.heads.data import build_examples, check_trainable, self_distill, show_example
 from toolkit.heads.eagle import EagleHead, default_aux_layers, draft_vocabulary, eagle3_loss, eagle_loss
 from toolkit.heads.eagle_draft import TreeShape
-from toolkit.heads.export import export_medusa, load_medusa
 from toolkit.heads.hidden_states import (INDEX, HiddenStateDataset, OnlineHiddenStates, cache_bytes,
                                          finish_hidden_cache, write_hidden_shards)
 from toolkit.heads.medusa import MedusaHeads, medusa_loss
+from toolkit.heads.medusa_export import export_medusa, load_medusa
 from toolkit.heads.train import TrainConfig, train
 from toolkit.runtime.load import load_model_or_checkpoint
 
@@ -252,7 +253,7 @@ def train_heads(job: HeadsJob, console: Console, dry_run: bool = False) -> Heads
 
     def eval_fn(model) -> dict[str, float]:
         if not greedy_cache:  # plain greedy is the same at every evaluation
-            greedy_cache["out"], greedy_cache["s"] = acceptance.greedy_outputs(target, prompts, job.eval_tokens,
+            greedy_cache["out"], greedy_cache["s"] = greedy_outputs(target, prompts, job.eval_tokens,
                                                                                tokenizer.eos_token_id)
         report = measure(model, prompts, tokenizer.eos_token_id, greedy_cache["out"], greedy_cache["s"])
         if not report.lossless:
@@ -346,9 +347,9 @@ def _is_quantized(model: torch.nn.Module) -> bool:
 def _check_target_fits(spec: str, dtype: torch.dtype) -> None:
     """Refuse, before loading it, a float safetensors target larger than the memory available, naming
     ``--stream-target``."""
-    from toolkit import memory
+    from toolkit.engine import memory
     from toolkit.models import empty_model
-    from toolkit.shards import is_safetensors_dir
+    from toolkit.engine.shards import is_safetensors_dir
 
     if not is_safetensors_dir(spec) or (Path(spec).expanduser() / "compound.json").exists():
         return

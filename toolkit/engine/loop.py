@@ -7,9 +7,9 @@
    run the quantized layer to produce the next layer's inputs.
 
 Only the current layer needs to sit on the compute device, and only the current layer needs weights at all: a
-``LayerSource`` loads each layer before its session and releases it afterwards (``toolkit.streaming`` reads layers
+``LayerSource`` loads each layer before its session and releases it afterwards (``toolkit.engine.streaming`` reads layers
 from safetensors shards; the default does nothing, for a model already in memory). With ``offload_dir`` the
-activations between layers live on disk (``toolkit.offload``). The engine knows no quantization algorithm: a driver
+activations between layers live on disk (``toolkit.engine.offload``). The engine knows no quantization algorithm: a driver
 is any ``LayerDriver`` callable, looked up by method name.
 
 Replay: a linear whose output is its parent module's whole output (o_proj of the attention block, down_proj of the
@@ -34,10 +34,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from toolkit.finite import all_finite
-from toolkit.heap import trim_heap
+from toolkit.quant.finite import all_finite
+from toolkit.engine.heap import trim_heap
 from toolkit.models import ArchSpec, arch_spec, decoder_layers, layer_linears
-from toolkit.offload import DiskActivations
+from toolkit.engine.offload import DiskActivations
 from toolkit.quant.configs import WeightQuantConfig
 from toolkit.quant.primitives import QuantizedWeight
 

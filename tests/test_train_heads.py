@@ -8,8 +8,8 @@ import torch
 from typer.testing import CliRunner
 
 from toolkit.cli import app
-from toolkit.heads.export import load_medusa
-from toolkit.heads.pipeline import HeadsJob, train_heads
+from toolkit.heads.medusa_export import load_medusa
+from toolkit.train_heads import HeadsJob, train_heads
 from toolkit.heads.train import TrainConfig
 
 
@@ -40,7 +40,7 @@ def test_pipeline_trains_selects_and_exports(tiny_llama_dir, tmp_path, one_threa
     assert best["step"] == result.best_step
 
     # A rerun with more steps resumes: nothing is generated or cached again, training continues from step 4.
-    import toolkit.heads.pipeline as pipeline
+    import toolkit.train_heads as pipeline
 
     calls = []
     real = pipeline.write_hidden_shards
@@ -104,7 +104,7 @@ def test_same_command_under_torchrun(tiny_llama_dir, tmp_path):
     from rich.console import Console
 
     from toolkit.heads.hidden_states import HiddenStateDataset
-    from toolkit.heads.pipeline import prepare
+    from toolkit.train_heads import prepare
 
     ranked = HiddenStateDataset(tmp_path / "heads.work" / "hidden")
     assert {name.split("-")[1] for name in ranked.index["shards"]} == {"r000", "r001"}
@@ -166,7 +166,7 @@ def test_stream_target_caches_the_in_memory_states(tiny_llama_dir, tmp_path, one
     it refuses what needs the whole target at once."""
     from rich.console import Console
 
-    from toolkit.heads.pipeline import prepare
+    from toolkit.train_heads import prepare
 
     settings = dict(head="eagle3", aux_layers=(1, 2), self_distill=False, batch_tokens=128)
     _, expected, _ = prepare(_job(tiny_llama_dir, tmp_path / "memory", **settings), Console(quiet=True))
@@ -184,8 +184,8 @@ def test_stream_target_caches_the_in_memory_states(tiny_llama_dir, tmp_path, one
 def test_target_larger_than_memory_is_refused_naming_stream_target(tiny_llama_dir, tmp_path, monkeypatch):
     from rich.console import Console
 
-    from toolkit import memory
-    from toolkit.heads.pipeline import prepare
+    from toolkit.engine import memory
+    from toolkit.train_heads import prepare
 
     monkeypatch.setattr(memory, "available_memory", lambda: 10_000)  # bytes: less than the tiny target's weights
     with pytest.raises(memory.MemoryLimitError, match="--stream-target --dataset-answers"):

@@ -22,7 +22,7 @@ from torch import nn
 
 from toolkit.calibration.sources import load_records
 from toolkit.calibration.splits import iter_split
-from toolkit.decode import Decoder, Drafter, MedusaDrafter, generate, speculative_generate
+from toolkit.decode import Decoder, Drafter, MedusaDrafter, greedy_outputs, speculative_generate
 from toolkit.evaluate.slices import SLICES, slice_of
 from toolkit.formats.checkpoint import MANIFEST
 from toolkit.heads.eagle_draft import EagleDrafter, TreeShape, eagle_decoder
@@ -117,19 +117,6 @@ def heads_callable(heads: nn.Module, dtype: torch.dtype = torch.bfloat16) -> Cal
     """
     drafting = copy.deepcopy(heads).to(dtype).eval()
     return lambda hidden: drafting(hidden.to(dtype))
-
-
-@torch.inference_mode()
-def greedy_outputs(target: nn.Module, prompts: Sequence[torch.Tensor], max_new_tokens: int,
-                   eos_token_id: int | None = None) -> tuple[list[torch.Tensor], float]:
-    """Plain greedy decoding of each prompt with compound's loop: (outputs, total seconds)."""
-    decoder = Decoder.from_model(target, max(len(p) for p in prompts) + max_new_tokens)
-    outputs, seconds = [], 0.0
-    for prompt in prompts:
-        out, stats = generate(decoder, prompt, max_new_tokens, eos_token_id=eos_token_id)
-        outputs.append(out)
-        seconds += stats.total_s
-    return outputs, seconds
 
 
 @torch.inference_mode()
@@ -252,7 +239,7 @@ def validate_heads(target_spec: str, heads_dir, prompts: int = 8, max_new_tokens
         trained_tree, trained_chain = trained_shape(heads_dir)
         tree, chain = tree or trained_tree, chain or trained_chain
     else:
-        from toolkit.heads.export import load_medusa
+        from toolkit.heads.medusa_export import load_medusa
 
         heads = load_medusa(heads_dir).float()
         if (heads.config.hidden_size != target.config.hidden_size

@@ -1,4 +1,4 @@
-"""Streamed quantization (``toolkit.streaming``): the same checkpoint as an in-memory run, bounded memory, refusals,
+"""Streamed quantization (``toolkit.engine.streaming``): the same checkpoint as an in-memory run, bounded memory, refusals,
 and nothing left behind when a run fails."""
 
 import json
@@ -12,14 +12,14 @@ from safetensors.torch import save_file
 
 import toolkit.quantize as quantize_module
 from conftest import tiny_model
-from toolkit import memory
+from toolkit.engine import memory
 from toolkit.formats.checkpoint import read_tensors, verify_manifest
 from toolkit.methods import driver_for
 from toolkit.models import ModelError
 from toolkit.quant.configs import ConfigError, RTNConfig, make_config
 from toolkit.quantize import CalibrationSpec, quantize
 from toolkit.runtime.load import load_quantized
-from toolkit.streaming import stream_model
+from toolkit.engine.streaming import stream_model
 
 CALIBRATION = CalibrationSpec("sharegpt", samples=4, seq_len=32)
 

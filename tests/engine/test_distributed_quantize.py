@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from toolkit.distributed import join, max_over_ranks, mean_over_ranks
+from toolkit.engine.distributed import join, max_over_ranks, mean_over_ranks
 from toolkit.formats.checkpoint import read_tensors
 from toolkit.formats.gptq import unpack
 from toolkit.quant.configs import ConfigError, make_config

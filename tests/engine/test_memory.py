@@ -3,7 +3,7 @@ import torch
 from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from toolkit import memory
+from toolkit.engine import memory
 from toolkit.quant.configs import GPTQConfig, RTNConfig
 
 MiB = 2**20

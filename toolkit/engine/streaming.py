@@ -2,11 +2,11 @@
 
 ``stream_model`` builds the model with every weight on the meta device and materializes only what runs before the
 decoder layers (embeddings; RoPE buffers are real from the start). ``StreamedLayers`` is the engine's layer source
-(``toolkit.engine.LayerSource``): it reads one layer's tensors from the shards when the engine reaches it, and when
+(``toolkit.engine.loop.LayerSource``): it reads one layer's tensors from the shards when the engine reaches it, and when
 the engine is done with the layer hands it to a ``save`` callback (which writes its quantized form) and returns its
 weights to the meta device. The embeddings go back to the meta device too once the first layer's inputs are
 captured, and ``outer_tensors`` reads them again, one at a time, when they are written. Peak memory is then about
-one float layer plus the calibration activations, whatever the depth (``toolkit.heap.bound_heap`` keeps freed
+one float layer plus the calibration activations, whatever the depth (``toolkit.engine.heap.bound_heap`` keeps freed
 layer-sized blocks from lingering in the heap). Tensors are read as float32, as ``load_model`` loads them, so a
 streamed run computes exactly what an in-memory run does.
 
@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from toolkit.heap import bound_heap, trim_heap
+from toolkit.engine.heap import bound_heap, trim_heap
 from toolkit.models import ModelError, arch_spec, decoder_layers, empty_model
-from toolkit.shards import ShardIndex, is_safetensors_dir
+from toolkit.engine.shards import ShardIndex, is_safetensors_dir
 
 DTYPE = torch.float32  # what load_model computes in; a streamed run must match it bit for bit
 

@@ -3,7 +3,7 @@ import itertools
 import pytest
 import torch
 
-from toolkit.finite import all_finite
+from toolkit.quant.finite import all_finite
 
 
 @pytest.mark.parametrize("dtype, bad", list(itertools.product(
