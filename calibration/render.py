@@ -92,6 +92,14 @@ def train_records(source: str = SHAREGPT, text_field: str = "text") -> Iterator[
     return iter_split(load_records(source, text_field), "train")
 
 
+def chat_prompt_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as one user turn with the generation prompt, or plain ids without a chat template."""
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False))
+    return tokenizer(text)["input_ids"]
+
+
 def fingerprint(tokens: torch.Tensor) -> str:
     """sha256 hex of a token tensor, for manifests; dtype and shape are hashed too, so a reshape differs."""
     tokens = tokens.detach().cpu().contiguous()

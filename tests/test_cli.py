@@ -32,7 +32,7 @@ def test_quantize_and_eval_tiny_model(tmp_path, tiny_llama_dir):
         (["--model", "/no/such/dir"], "does not exist"),
         (["--group-size", "48"], "group_size must be one of"),
         (["--bits", "9"], "bits must be between 2 and 8"),
-        (["--method", "hqq"], "unknown method"),
+        (["--method", "hqq"], "Invalid value for '--method'"),
         (["--asym", "--format", "gptq"], "asymmetric GPTQ checkpoints are refused"),
         (["--bits", "3", "--format", "awq"], "AWQ GEMM format stores 4-bit weights only"),
         (["--dataset", "/no/such/file.jsonl", "--method", "gptq"], "does not exist"),

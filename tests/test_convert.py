@@ -7,7 +7,7 @@ from safetensors.torch import load_file, save_file
 from toolkit.convert import ConversionError, convert
 from toolkit.formats import awq, compressed_tensors, gptq
 from toolkit.quant.configs import ConfigError, RTNConfig
-from toolkit.quantize import CalibrationSpec, quantize
+from toolkit.quantize import CalibrationSpec, QuantizeSettings, quantize
 from toolkit.runtime.load import load_quantized
 from toolkit.runtime.quant_linear import QuantLinear
 
@@ -33,7 +33,8 @@ def _codes(directory, layout, bits=4, group_size=32, sym=True):
 @pytest.fixture(scope="module")
 def gptq_dir(tmp_path_factory, tiny_llama_dir):
     root = tmp_path_factory.mktemp("convert")
-    return quantize(str(tiny_llama_dir), RTNConfig(bits=4, group_size=32), root / "gptq", fmt="gptq").output
+    return quantize(str(tiny_llama_dir), RTNConfig(bits=4, group_size=32), root / "gptq",
+                    settings=QuantizeSettings(format="gptq")).output
 
 
 def test_gptq_to_compressed_tensors_to_awq_to_gptq_is_bit_exact(tmp_path, gptq_dir):
@@ -83,7 +84,8 @@ def test_asymmetric_awq_converts_to_compressed_tensors_but_not_to_gptq(tmp_path,
     (3, "gptq", "awq", "4-bit"),
 ])
 def test_bit_widths_a_target_cannot_hold_are_refused(tmp_path, tiny_llama_dir, bits, src_fmt, fmt, reason):
-    src = quantize(str(tiny_llama_dir), RTNConfig(bits=bits, group_size=32), tmp_path / "src", fmt=src_fmt).output
+    src = quantize(str(tiny_llama_dir), RTNConfig(bits=bits, group_size=32), tmp_path / "src",
+                   settings=QuantizeSettings(format=src_fmt)).output
     with pytest.raises(ConversionError, match=reason):
         convert(src, fmt, tmp_path / "out")
 
@@ -113,7 +115,7 @@ def test_nothing_to_convert_and_unknown_formats_are_refused(tmp_path, gptq_dir):
 def test_fp8_kv_scales_are_carried_and_declared(tmp_path, tiny_llama_dir):
     calibration = CalibrationSpec("sharegpt", samples=2, seq_len=32)
     src = quantize(str(tiny_llama_dir), RTNConfig(bits=4, group_size=32), tmp_path / "gptq", calibration,
-                   fmt="gptq", kv_cache="fp8").output
+                   settings=QuantizeSettings(format="gptq", kv_cache="fp8")).output
     ct = convert(src, "compressed-tensors", tmp_path / "ct")
     scheme = json.loads((ct / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]
     assert scheme["type"] == "float" and scheme["strategy"] == "tensor"

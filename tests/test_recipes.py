@@ -12,11 +12,11 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-import toolkit.evaluate.suite
 import toolkit.evaluate.acceptance
-import toolkit.train_heads
+import toolkit.evaluate.suite
 import toolkit.hub
 import toolkit.quantize
+import toolkit.train_heads
 import toolkit.validate
 from toolkit.cli import app
 from toolkit.hub import PushResult
@@ -115,17 +115,17 @@ BASE = "model: smollm2-135m\nquantize:\n  method: rtn\n  bits: 4\n  group_size: 
 
 
 @pytest.mark.parametrize("text, line, message", [
-    (BASE.replace("64", "100"), 5, "quantize.group_size: 100 is not supported; must be one of 32, 64, 128, -1"),
+    (BASE.replace("64", "100"), 5, "quantize.group_size: group_size must be one of (-1, 32, 64, 128), got 100"),
     (BASE.replace("group_size", "grup_size"), 5, "quantize.grup_size: unknown key; did you mean group_size?"),
     (BASE.replace("bits: 4", "bits: four"), 4, "quantize.bits: expected an integer, got 'four' (str)"),
     (BASE.replace("bits: 4", "bits: true"), 4, "quantize.bits: expected an integer, got True (bool)"),
     (BASE.replace("quantize:", "quantise:"), 2, "quantise: unknown key; did you mean quantize?"),
     (BASE + "  bits: 8\n", 6, "quantize.bits: given twice (first on line 4)"),
     (BASE + "  sym: false\n  format: gptq\n", 7, "quantize.format: gptq: "),
-    (BASE + "  act_order: true\n", 6, "quantize.act_order: is a GPTQ option"),
-    (BASE + "heads:\n  type: hydra\n", 7, "heads.type: "),
-    (BASE + "heads:\n  type: eagle3\n  aux_layers: [2, x]\n", 8, "heads.aux_layers: expected a list of integers"),
-    (BASE + "heads:\n  batch_size: 6\n  micro_batch_size: 4\n", 6, "heads: batch_size must be a multiple"),
+    (BASE + "  act_order: true\n", 6, "quantize.act_order: act_order is a GPTQ option"),
+    (BASE + "heads:\n  head: hydra\n", 7, "heads.head: "),
+    (BASE + "heads:\n  head: eagle3\n  aux_layers: [2, x]\n", 8, "heads.aux_layers: expected a list of integers"),
+    (BASE + "heads:\n  batch_size: 6\n  micro_batch_size: 4\n", 7, "heads.batch_size: batch_size must be a multiple"),
     (BASE + "push:\n  private: true\n", 6, "push: repo_id is required"),
     (BASE + "push:\n  repo_id: no-owner\n", 7, "push.repo_id: must be owner/name"),
     (BASE + "push:\n  repo_id: a/b\n  tags: demo\n", 8, "push.tags: expected a list of strings, got 'demo'"),
@@ -148,8 +148,8 @@ def test_defaults_and_yaml_floats(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text(BASE + "heads:\n  lr: 1e-3\npush:\n  repo_id: me/model\n")  # YAML 1.1 reads 1e-3 as text
     recipe = load_recipe(path)
-    assert recipe.heads.lr == 0.001 and recipe.output == Path("out/mine") and recipe.source == path
-    assert recipe.push.heads_repo == "me/model-medusa" and recipe.gates.lossless_required
+    assert recipe.heads.parts["train"].lr == 0.001 and recipe.output == Path("out/mine") and recipe.source == path
+    assert recipe.push.heads_repo(recipe.heads.head) == "me/model-medusa" and recipe.gates.lossless_required
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
@@ -206,7 +206,9 @@ def test_resume_runs_no_step_again(copied, monkeypatch):
 
 def test_changed_heads_rerun_only_heads_and_downstream(copied, monkeypatch):
     calls = _counting(monkeypatch)
-    changed = dataclasses.replace(copied, heads=dataclasses.replace(copied.heads, steps=4, eval_every=4))
+    heads = copied.heads
+    train = dataclasses.replace(heads.parts["train"], steps=4, eval_every=4)
+    changed = dataclasses.replace(copied, heads=dataclasses.replace(heads, parts={**heads.parts, "train": train}))
     summary = run_recipe(changed, api=object(), console=QUIET)
     assert _statuses(summary) == {"quantize": "cached", "evaluate": "cached", "validate": "cached", "heads": "ran",
                                   "heads_eval": "ran", "gates": "ran", "push": "ran"}
@@ -236,7 +238,7 @@ def test_cli_exit_codes_and_messages(copied, tmp_path, tiny_llama_dir, monkeypat
     bad.write_text(BASE.replace("64", "100"))
     result = runner.invoke(app, ["run", str(bad)])
     flat = result.output.replace("\n", "")  # Rich wraps long lines, inside the path too (a deep tmp_path)
-    assert result.exit_code == 2 and f"{bad}:5:" in flat and "quantize.group_size: 100" in flat
+    assert result.exit_code == 2 and f"{bad}:5:" in flat and "quantize.group_size: group_size must be one of" in flat
 
 
 def test_dry_run_does_nothing(copied, tmp_path, tiny_llama_dir, monkeypatch):

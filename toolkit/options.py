@@ -46,3 +46,12 @@ def choices_of(f: dataclasses.Field) -> tuple | None:
 def flag_of(f: dataclasses.Field) -> str | None:
     """An explicit flag spelling (``"--sym/--asym"``), None for the default ``--field-name``."""
     return f.metadata[FLAG]
+
+
+def check_choices(instance, error: type[Exception] = ValueError) -> None:
+    """Refuse a value of an enumerated field of ``instance`` that is not among its choices, naming the flag."""
+    for f in option_fields(type(instance)):
+        choices, value = choices_of(f), getattr(instance, f.name)
+        if choices is not None and value not in choices and value is not None:
+            flag = (flag_of(f) or "--" + f.name.replace("_", "-")).split("/")[0]
+            raise error(f"{flag} must be one of {', '.join(str(c) for c in choices if c is not None)}, got {value!r}")

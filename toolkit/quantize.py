@@ -11,41 +11,67 @@ from pathlib import Path
 import torch
 
 from toolkit.engine import distributed, memory
-from toolkit.version import __version__
 from toolkit.engine.loop import Progress, capture_layer_inputs, check_widths, quantize_layers
-from toolkit.formats import awq as awq_format
-from toolkit.formats import compressed_tensors as ct_format
-from toolkit.formats import gptq as gptq_format
-from toolkit.formats.checkpoint import (ShardWriter, atomic_directory, export_config, float_tensors, model_extras,
-                                        packed_tensors, write_checkpoint, write_metadata)
-from toolkit.methods import ERROR_MEASURES, driver_for
-from toolkit.models import arch_spec, decoder_layers, empty_model, load_model, load_tokenizer
-from toolkit.quant import kv_cache as kv
-from toolkit.quant.configs import ConfigError, WeightQuantConfig
 from toolkit.engine.shards import is_safetensors_dir
 from toolkit.engine.streaming import StreamedLayers, outer_names, outer_tensors, stream_model
+from toolkit.formats import FORMATS, choose_format, compressed_tensors
+from toolkit.formats.checkpoint import (
+    ShardWriter,
+    atomic_directory,
+    export_config,
+    float_tensors,
+    model_extras,
+    packed_tensors,
+    write_checkpoint,
+    write_metadata,
+)
+from toolkit.methods import driver_for, error_measure
+from toolkit.models import arch_spec, decoder_layers, empty_model, load_model, load_tokenizer
+from toolkit.options import check_choices, option
+from toolkit.quant import kv_cache as kv
+from toolkit.quant.configs import ConfigError, WeightQuantConfig, methods_that
+from toolkit.version import __version__
 
-FORMATS = {"gptq": gptq_format, "awq": awq_format, "compressed-tensors": ct_format}
 
-
-def choose_format(config: WeightQuantConfig) -> str:
-    """The format ``auto`` stands for: GPTQ for symmetric weights, AWQ for asymmetric 4-bit groups (the layouts
-    with the widest engine support), compressed-tensors for what neither stores."""
-    if config.sym and config.bits in gptq_format.SUPPORTED_BITS:
-        return "gptq"
-    if not config.sym and config.bits == 4 and config.group_size != -1:
-        return "awq"
-    return "compressed-tensors"
-
-
-@dataclass
+@dataclass(frozen=True)
 class CalibrationSpec:
     """Where calibration tokens come from: a source the calibration pipeline reads, and how many."""
 
-    dataset: str = "sharegpt"
-    samples: int = 128
-    seq_len: int = 512
-    text_field: str = "text"
+    dataset: str = option("sharegpt", "Calibration data: sharegpt, a .json/.jsonl/.parquet/.txt file, or a datasets id.")
+    samples: int = option(128, "Calibration sequences.")
+    seq_len: int = option(512, "Tokens per calibration sequence.")
+    text_field: str = option("text", "The text column of a .json/.jsonl/.parquet file or datasets id.")
+
+    def __post_init__(self):
+        for name, least in (("samples", 1), ("seq_len", 2)):
+            if getattr(self, name) < least:
+                raise ConfigError(f"{name} must be >= {least}, got {getattr(self, name)} "
+                                  f"(--{name.replace('_', '-')})")
+
+
+@dataclass(frozen=True)
+class QuantizeSettings:
+    """How a quantize run writes its checkpoint and uses memory, whatever the method (``quantize`` documents each)."""
+
+    format: str = option("auto", "Checkpoint layout: auto | gptq | awq | compressed-tensors (auto: gptq when symmetric, "
+                         "awq when asymmetric 4-bit).", choices=("auto", *FORMATS), flag="--format")
+    dtype: str = option("float16", "dtype of unquantized tensors and scales: float16 | bfloat16 | float32 (vLLM's "
+                        "int4 kernels take half precision only).", choices=("float16", "bfloat16", "float32"))
+    kv_cache: str | None = option(None, "Also calibrate static KV-cache scales: fp8 (vLLM --kv-cache-dtype fp8; read "
+                                  "from compressed-tensors checkpoints) | int8 (compound's decode loop).",
+                                  choices=tuple(kv.QMAX))
+    kv_cache_strategy: str = option("tensor", "KV-cache scales per layer (tensor) or per KV head (attn_head).",
+                                    choices=kv.STRATEGIES)
+    stream: bool = option(False, "Load each decoder layer from the safetensors shards of a local model directory only "
+                          "when it is quantized, and write it out at once: for models larger than memory.",
+                          flag="--stream/--no-stream")
+    offload_activations: bool = option(False, "Keep calibration activations between layers on disk (next to "
+                                       "--output) instead of in memory.")
+    batch_size: int = option(8, "Calibration sequences run through a layer at once; fewer need less memory.")
+    trust_remote_code: bool = option(False, "Allow model code from the checkpoint (off by default).")
+
+    def __post_init__(self):
+        check_choices(self, ConfigError)
 
 
 @dataclass
@@ -64,19 +90,12 @@ def quantize(
     config: WeightQuantConfig,
     output: Path | str,
     calibration: CalibrationSpec | None = None,
+    settings: QuantizeSettings | None = None,
     *,
-    fmt: str = "auto",
-    dtype: torch.dtype = torch.float16,
     overwrite: bool = False,
-    trust_remote_code: bool = False,
     progress: Progress | None = None,
-    kv_cache: str | None = None,
-    kv_cache_strategy: str = "tensor",
-    stream: bool = False,
-    offload_activations: bool = False,
-    batch_size: int = 8,
 ) -> QuantizeResult:
-    """Quantize ``model_spec`` with ``config`` and write a ``fmt`` checkpoint to ``output`` (atomically).
+    """Quantize ``model_spec`` with ``config`` and write a ``settings.format`` checkpoint to ``output`` (atomically).
 
     kv_cache: ``"fp8"`` or ``"int8"`` also calibrates static KV-cache scales (``toolkit.quant.kv_cache``): the absmax
     of every layer's post-RoPE keys and values on the calibration batch, run through the quantized model, over 448
@@ -106,6 +125,10 @@ def quantize(
     """
     started = time.perf_counter()
     calibration = calibration or CalibrationSpec()
+    settings = settings or QuantizeSettings()
+    fmt, kv_cache, kv_cache_strategy = settings.format, settings.kv_cache, settings.kv_cache_strategy
+    stream, offload_activations, batch_size = settings.stream, settings.offload_activations, settings.batch_size
+    trust_remote_code, dtype = settings.trust_remote_code, getattr(torch, settings.dtype)
     output = Path(output)
     fmt = choose_format(config) if fmt == "auto" else fmt
     if fmt not in FORMATS:
@@ -158,7 +181,7 @@ def quantize(
             offload_dir = output.parent
             offload_dir.mkdir(parents=True, exist_ok=True)
         weight_tokens = tokens if config.needs_activations else None
-        return quantize_layers(model, config, driver_for(config.method), weight_tokens, sink, batch_size=batch_size,
+        return quantize_layers(model, config, driver_for(config), weight_tokens, sink, batch_size=batch_size,
                                device=distributed.rank_device() if world > 1 else "cpu", progress=progress,
                                source=source, offload_dir=offload_dir)
 
@@ -172,7 +195,7 @@ def quantize(
             "quantization": config.to_dict(),
             "calibration": calib_info or None,
             "kv_cache": kv_info,
-            "layer_errors": {"measure": ERROR_MEASURES[config.method], "linears": errors},
+            "layer_errors": {"measure": error_measure(config), "linears": errors},
         }
 
     if stream and not writes:
@@ -193,7 +216,7 @@ def quantize(
                 for k, v in observe_kv_absmax(model, tokens, per_head=kv_cache_strategy == "attn_head")]
         kv_tensors = kv.checkpoint_tensors(amax, kv_cache, arch_spec(model).layers, dtype)
         kv_info = {"dtype": kv_cache, "strategy": kv_cache_strategy, "scale": f"amax / {kv.QMAX[kv_cache]:g}"}
-        if fmt == ct_format.NAME:
+        if fmt == compressed_tensors.NAME:
             quantization_config["kv_cache_scheme"] = kv.kv_cache_scheme(kv_cache, kv_cache_strategy)
     if writes:
         write_checkpoint(output, model, tokenizer, packed, quantization_config, manifest(errors, kv_info), dtype,  # 9
@@ -204,9 +227,9 @@ def quantize(
 
 def _check_data_parallel(config: WeightQuantConfig, calibration: CalibrationSpec, world: int) -> None:
     """Refuse, before any work, what a torchrun quantize run cannot split over ``world`` ranks."""
-    if config.method not in ("rtn", "gptq"):
-        raise ConfigError(f"under torchrun compound quantizes with rtn or gptq; {config.method}'s search runs in one "
-                          "process: start it without torchrun")
+    if not config.data_parallel:
+        raise ConfigError(f"under torchrun compound quantizes with {' or '.join(methods_that('data_parallel'))}; "
+                          f"{config.method}'s search runs in one process: start it without torchrun")
     if config.needs_activations and calibration.samples < world:
         raise ConfigError(f"{calibration.samples} calibration sequences cannot be split over {world} ranks; use at "
                           f"least {world} --samples")
@@ -301,7 +324,7 @@ def _check_kv_cache(kv_cache: str | None, strategy: str, fmt: str) -> None:
         raise ConfigError(f"--kv-cache must be one of {', '.join(kv.QMAX)}, got {kv_cache!r}")
     if strategy not in kv.STRATEGIES:
         raise ConfigError(f"KV-cache strategy must be one of {', '.join(kv.STRATEGIES)}, got {strategy!r}")
-    if kv_cache == "int8" and fmt == ct_format.NAME:
+    if kv_cache == "int8" and fmt == compressed_tensors.NAME:
         raise ConfigError("compressed-tensors declares KV scales in kv_cache_scheme, and vLLM refuses any but FP8 "
                           "(num_bits 8, type float); use --kv-cache fp8 to serve them, or --format gptq / awq to "
                           "keep INT8 scales for compound's decode loop")

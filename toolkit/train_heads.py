@@ -1,10 +1,13 @@
 """``compound train-heads``: data → hidden states → training with selection by accepted length → export.
 
-    job = HeadsJob(model="smollm2-135m", output=Path("out/smollm2-medusa"), samples=1000)
-    job = HeadsJob(model="smollm2-135m", output=Path("out/smollm2-eagle3"), head="eagle3", draft_vocab=8192)
+    job = HeadsJob(model="smollm2-135m", output=Path("out/smollm2-medusa"), data=DataOptions(samples=1000))
+    job = HeadsJob(model="smollm2-135m", output=Path("out/smollm2-eagle3"), head="eagle3",
+                   eagle=EagleOptions(draft_vocab=8192))
     result = train_heads(job, console)
 
 Heads (``head``): ``medusa`` (``toolkit.heads.medusa``), ``eagle`` (EAGLE-1) and ``eagle3`` (``toolkit.heads.eagle``).
+The job holds one options object per concern (``toolkit.heads.options``: Medusa's, EAGLE's, data, selection; and the
+training loop's ``TrainConfig``); the field names below are theirs.
 
 Phases, each resumable by rerunning the same command (the work directory ``<output>.work`` keeps their state):
 
@@ -12,9 +15,9 @@ Phases, each resumable by rerunning the same command (the work directory ``<outp
    (``work/distill.jsonl``, appended per batch), rendered with the chat template, loss on assistant tokens only;
 2. hidden states: the target (in ``dtype``) run over the examples, cached in ``work/hidden`` (final-norm states;
    eagle3's aux layers and the final one in ``work/hidden-<layers>``), or computed while training with ``online``;
-3. training: ``toolkit.heads.train`` with checkpoints in ``work/train-<head shape>``; every ``eval_every`` steps the heads draft
-   for the float32 target in compound's decode loop on ``eval_prompts`` held-out prompts, and the best by mean
-   accepted length (``select_mode`` tree or chain; EAGLE-3's peaks before its loss stops falling) is kept;
+3. training: ``toolkit.heads.train`` with checkpoints in ``work/train-<head shape>``; every ``eval_every`` steps the
+   heads draft for the float32 target in compound's decode loop on ``eval_prompts`` held-out prompts, and the best by
+   mean accepted length (``select_mode`` tree or chain; EAGLE-3's peaks before its loss stops falling) is kept;
 4. export: the best heads in ``layout`` (Medusa: vLLM or original; EAGLE: ``toolkit.heads.eagle_export``) with a
    manifest naming the target and its hash.
 
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -37,97 +40,79 @@ from toolkit.engine import distributed
 from toolkit.evaluate import acceptance
 from toolkit.formats.checkpoint import sha256_file
 from toolkit.heads.data import build_examples, check_trainable, self_distill, show_example
-from toolkit.heads.eagle import EagleHead, default_aux_layers, draft_vocabulary, eagle3_loss, eagle_loss
+from toolkit.heads.eagle import KINDS, EagleHead, default_aux_layers, draft_vocabulary, eagle3_loss, eagle_loss
 from toolkit.heads.eagle_draft import TreeShape
-from toolkit.heads.hidden_states import (INDEX, HiddenStateDataset, OnlineHiddenStates, cache_bytes,
-                                         finish_hidden_cache, write_hidden_shards)
+from toolkit.heads.hidden_states import (
+    INDEX,
+    HiddenStateDataset,
+    OnlineHiddenStates,
+    cache_bytes,
+    finish_hidden_cache,
+    write_hidden_shards,
+)
 from toolkit.heads.medusa import MedusaHeads, medusa_loss
 from toolkit.heads.medusa_export import export_medusa, load_medusa
+from toolkit.heads.options import DataOptions, EagleOptions, MedusaOptions, SelectOptions
 from toolkit.heads.train import TrainConfig, train
+from toolkit.options import option
 from toolkit.runtime.load import load_model_or_checkpoint
 
-HEADS = ("medusa", "eagle", "eagle3")
-SELECT_MODES = ("tree", "chain")
+HEADS = ("medusa", *KINDS)
 
 
 @dataclass(frozen=True)
 class HeadsJob:
-    """Everything one ``train-heads`` run needs; the CLI fills it from its options."""
+    """Everything one ``train-heads`` run needs; the CLI fills it from its options. ``medusa`` is read only by Medusa
+    heads, ``eagle`` only by EAGLE heads; both are validated whatever ``head`` is."""
 
     model: str
     output: Path
-    head: str = "medusa"
-    num_heads: int = 4  # medusa
-    num_layers: int = 1  # medusa
-    shared_lm_head: bool = False  # medusa
-    aux_layers: tuple[int, ...] | None = None  # eagle3: transformers hidden_states indices; None = (2, N // 2, N - 3)
-    draft_vocab: int = 32000  # eagle3: draft vocabulary size (capped at the target's)
-    ttt_steps: int = 5  # eagle3: unrolled draft steps of the training-time test
-    depth: int = 5  # eagle: draft steps (tree depth; the chain length in chain mode)
-    top_k: int = 4  # eagle: children per expanded node of the dynamic tree
-    draft_tokens: int = 8  # eagle: tree nodes verified per step
-    dataset: str = "sharegpt"
-    samples: int = 1000
-    max_len: int = 1024
-    self_distill: bool = True
-    distill_tokens: int = 256
-    distill_batch: int = 16
-    distill_prompt_tokens: int = 384  # longest prompt self-distilled: long prompts cost prefill and cache, not signal
-    dtype: str = "bfloat16"
-    online: bool = False
-    stream_target: bool = False  # hidden states one target layer at a time from its shards (toolkit.heads.streamed_target)
-    batch_tokens: int = 4096  # padded tokens per target forward while caching hidden states
+    head: str = option("medusa", "Head type: medusa | eagle (EAGLE-1/2) | eagle3.", choices=HEADS)
+    medusa: MedusaOptions = field(default_factory=MedusaOptions)
+    eagle: EagleOptions = field(default_factory=EagleOptions)
+    data: DataOptions = field(default_factory=DataOptions)
     train: TrainConfig = field(default_factory=TrainConfig)
-    eval_prompts: int = 4
-    eval_tokens: int = 64
-    select_mode: str = "tree"
-    layout: str = "vllm"
-    work_dir: Path | None = None
+    select: SelectOptions = field(default_factory=SelectOptions)
+    work_dir: Path | None = None  # where data, hidden states and training checkpoints go (default: OUTPUT.work)
     overwrite: bool = False
 
     def __post_init__(self):
         if self.head not in HEADS:
             raise ValueError(f"--head {self.head!r} is not supported; choose one of {', '.join(HEADS)}")
-        if self.select_mode not in SELECT_MODES:
-            raise ValueError(f"--select-mode must be one of {', '.join(SELECT_MODES)}, got {self.select_mode!r}")
-        if self.samples < 1 or self.max_len < 8:
-            raise ValueError(f"need --samples >= 1 and --max-len >= 8, got {self.samples} and {self.max_len}")
-        if self.dtype not in ("bfloat16", "float16", "float32"):
-            raise ValueError(f"--dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
-        if min(self.draft_vocab, self.ttt_steps, self.depth, self.top_k, self.draft_tokens, self.batch_tokens) < 1:
-            raise ValueError("--draft-vocab, --ttt-steps, --depth, --top-k, --draft-tokens and --batch-tokens must "
-                             "be >= 1")
-        if self.stream_target and (self.online or self.self_distill):
-            raise ValueError("--stream-target runs the target one layer at a time over the whole cache; it cannot "
-                             "generate answers (use --dataset-answers) or compute states while training (drop "
-                             "--online)")
+
+    @staticmethod
+    def parts() -> dict[str, type]:
+        """The option dataclasses a job is made of, by field name (``medusa``, ``eagle``, ``data``, ``train``,
+        ``select``): their fields and ``head`` are the ``train-heads`` flags and the recipe's heads keys."""
+        return {f.name: f.default_factory for f in fields(HeadsJob) if f.default_factory is not MISSING}
 
     @property
     def work(self) -> Path:
+        """Where data, hidden states and training state go: ``work_dir``, else ``<output>.work``."""
         return self.work_dir or self.output.with_name(self.output.name + ".work")
 
     @property
     def train_dir(self) -> Path:
         """Training state of this head shape: runs of other shapes can share the work directory's data."""
+        eagle, medusa = self.eagle, self.medusa
         if self.head == "eagle":
             return self.work / "train-eagle"
         if self.head == "eagle3":
-            layers = "-".join(map(str, self.aux_layers)) if self.aux_layers else "default"
-            return self.work / f"train-eagle3-l{layers}-v{self.draft_vocab}-s{self.ttt_steps}"
-        output = "shared" if self.shared_lm_head else "own"
-        return self.work / f"train-{self.head}-k{self.num_heads}-l{self.num_layers}-{output}"
+            layers = "-".join(map(str, eagle.aux_layers)) if eagle.aux_layers else "default"
+            return self.work / f"train-eagle3-l{layers}-v{eagle.draft_vocab}-s{eagle.ttt_steps}"
+        output = "shared" if medusa.shared_lm_head else "own"
+        return self.work / f"train-{self.head}-k{medusa.num_heads}-l{medusa.num_layers}-{output}"
 
     def hidden_layers(self, num_layers: int) -> list[int]:
         """The target hidden states the head trains on: the final-norm state (-1), after eagle3's aux layers."""
         if self.head != "eagle3":
             return [-1]
-        return [*(self.aux_layers or default_aux_layers(num_layers)), -1]
+        return [*(self.eagle.aux_layers or default_aux_layers(num_layers)), -1]
 
     @property
     def tree(self) -> TreeShape:
         """The EAGLE draft shape selected on: the dynamic tree, or the chain of ``depth`` (vLLM's)."""
-        return TreeShape(self.depth, self.top_k, self.draft_tokens) if self.select_mode == "tree" else \
-            TreeShape(self.depth)
+        return self.eagle.tree if self.select.select_mode == "tree" else TreeShape(self.eagle.depth)
 
 
 @dataclass
@@ -161,13 +146,14 @@ def target_identity(spec: str) -> dict:
 def _examples(job: HeadsJob, model, tokenizer):
     from toolkit.calibration.render import train_records
 
-    records = train_records(job.dataset)
-    if job.self_distill:
-        records = self_distill(model, tokenizer, records, job.samples, job.work / "distill.jsonl",
-                               max_new_tokens=job.distill_tokens, batch_size=job.distill_batch,
-                               max_prompt_len=max(8, min(job.distill_prompt_tokens,
-                                                         job.max_len - job.distill_tokens)))  # answers fit whole
-    examples = build_examples(tokenizer, records, job.samples, job.max_len)
+    data = job.data
+    records = train_records(data.dataset)
+    if data.self_distill:
+        records = self_distill(model, tokenizer, records, data.samples, job.work / "distill.jsonl",
+                               max_new_tokens=data.distill_tokens, batch_size=data.distill_batch,
+                               max_prompt_len=max(8, min(data.distill_prompt_tokens,
+                                                         data.max_len - data.distill_tokens)))  # answers fit whole
+    examples = build_examples(tokenizer, records, data.samples, data.max_len)
     check_trainable(examples)
     return examples
 
@@ -180,26 +166,28 @@ def prepare(job: HeadsJob, console: Console, dry_run: bool = False):
     wait and then read them back; every rank then caches its share of the hidden states on its own device, and rank
     0 writes the index once all are done.
     """
+    options = job.data
     if dry_run:
         from toolkit.calibration.render import train_records
         from toolkit.models import load_tokenizer
 
         tokenizer = load_tokenizer(job.model)
-        examples = build_examples(tokenizer, train_records(job.dataset), min(job.samples, 8), job.max_len)
+        examples = build_examples(tokenizer, train_records(options.dataset), min(options.samples, 8), options.max_len)
         check_trainable(examples)
         show_example(console, tokenizer, examples[0])
         return examples, None, None
     rank, world = distributed.join()
     if rank > 0:
         distributed.barrier()  # rank 0's examples first
-    if job.stream_target:
+    dtype = getattr(torch, options.dtype)
+    if options.stream_target:
         from toolkit.heads.streamed_target import StreamedTarget
         from toolkit.models import load_tokenizer
 
-        model, tokenizer = StreamedTarget(job.model, getattr(torch, job.dtype)), load_tokenizer(job.model)
+        model, tokenizer = StreamedTarget(job.model, dtype), load_tokenizer(job.model)
     else:
-        _check_target_fits(job.model, getattr(torch, job.dtype))
-        model, tokenizer = load_model_or_checkpoint(job.model, getattr(torch, job.dtype))
+        _check_target_fits(job.model, dtype)
+        model, tokenizer = load_model_or_checkpoint(job.model, dtype)
         if not _is_quantized(model):  # compound's int4 linears stay on the device their loader chose
             model.to(distributed.rank_device())
     examples = _examples(job, model, tokenizer)
@@ -212,12 +200,12 @@ def prepare(job: HeadsJob, console: Console, dry_run: bool = False):
                         "hidden-" + "-".join("final" if i == -1 else str(i) for i in layers))
     console.print(f"{len(examples)} examples, {tokens:,} tokens ({sum(int(e.loss_mask.sum()) for e in examples):,} "
                   f"trained); hidden-state cache {cache_bytes(tokens, hidden_size, len(layers)) / 2**20:,.0f} MiB"
-                  + (" (not written: --online)" if job.online else f" in {cache}")
-                  + (f", written by {world} ranks" if world > 1 and not job.online else ""))
-    if job.online:
+                  + (" (not written: --online)" if options.online else f" in {cache}")
+                  + (f", written by {world} ranks" if world > 1 and not options.online else ""))
+    if options.online:
         return examples, OnlineHiddenStates(model, examples, layers), model
     if not (cache / INDEX).exists():
-        write_hidden_shards(model, examples, cache, layers=layers, batch_tokens=job.batch_tokens, rank=rank,
+        write_hidden_shards(model, examples, cache, layers=layers, batch_tokens=options.batch_tokens, rank=rank,
                             world=world, progress=rank == 0)
         distributed.barrier()
         if rank == 0:
@@ -248,12 +236,12 @@ def train_heads(job: HeadsJob, console: Console, dry_run: bool = False) -> Heads
     target, tokenizer = load_model_or_checkpoint(job.model, torch.float32)
     torch.manual_seed(job.train.seed)
     heads, loss_fn, count_fn, measure = _head_for(job, target, examples, console if rank == 0 else None)
-    prompts = acceptance.heldout_prompts(tokenizer, job.eval_prompts)
+    prompts = acceptance.heldout_prompts(tokenizer, job.select.eval_prompts)
     greedy_cache: dict = {}
 
     def eval_fn(model) -> dict[str, float]:
         if not greedy_cache:  # plain greedy is the same at every evaluation
-            greedy_cache["out"], greedy_cache["s"] = greedy_outputs(target, prompts, job.eval_tokens,
+            greedy_cache["out"], greedy_cache["s"] = greedy_outputs(target, prompts, job.select.eval_tokens,
                                                                                tokenizer.eos_token_id)
         report = measure(model, prompts, tokenizer.eos_token_id, greedy_cache["out"], greedy_cache["s"])
         if not report.lossless:
@@ -271,15 +259,17 @@ def train_heads(job: HeadsJob, console: Console, dry_run: bool = False) -> Heads
         heads.load_state_dict(best["model"])
     del online_model
     extra = {"training": {"examples": len(examples), "tokens": tokens, "trained_tokens": trained,
-                          "self_distill": job.self_distill, "dataset": job.dataset, "steps": result.steps,
+                          "self_distill": job.data.self_distill, "dataset": job.data.dataset, "steps": result.steps,
                           "best_step": result.best_step, "best_metrics": result.best_metrics,
-                          "select_mode": job.select_mode, "config": asdict(config), "head": job.head}}
+                          "select_mode": job.select.select_mode, "config": asdict(config), "head": job.head}}
     if job.head != "medusa":
-        extra["training"]["draft_shape"] = {"depth": job.depth, "top_k": job.top_k, "draft_tokens": job.draft_tokens}
-        extra["training"]["ttt_steps"] = job.ttt_steps if job.head == "eagle3" else None
+        eagle = job.eagle
+        extra["training"]["draft_shape"] = {"depth": eagle.depth, "top_k": eagle.top_k,
+                                            "draft_tokens": eagle.draft_tokens}
+        extra["training"]["ttt_steps"] = eagle.ttt_steps if job.head == "eagle3" else None
     sha256 = target_identity(job.model)["sha256"]
     if job.head == "medusa":
-        export_medusa(heads, job.output, layout=job.layout, target=job.model, target_sha256=sha256,
+        export_medusa(heads, job.output, layout=job.medusa.layout, target=job.model, target_sha256=sha256,
                       overwrite=job.overwrite, extra_manifest=extra)
         load_medusa(job.output)  # the written directory reads back with every tensor
     else:
@@ -299,20 +289,21 @@ def _head_for(job: HeadsJob, target, examples, console: Console | None):
     def count_fn(batch):  # labels the first draft sees: the first two positions have no hidden state 2 tokens earlier
         return int(batch["loss_mask"][:, 2:].sum())
 
+    medusa, eagle, select = job.medusa, job.eagle, job.select
     if job.head == "medusa":
-        heads = MedusaHeads.from_target(target, job.num_heads, job.num_layers, job.shared_lm_head)
-        paths = acceptance.tree_for(job.num_heads) if job.select_mode == "tree" else \
-            acceptance.chain_paths(job.num_heads)
+        heads = MedusaHeads.from_target(target, medusa.num_heads, medusa.num_layers, medusa.shared_lm_head)
+        paths = acceptance.tree_for(medusa.num_heads) if select.select_mode == "tree" else \
+            acceptance.chain_paths(medusa.num_heads)
 
         def measure(model, prompts, eos, greedy, greedy_s):
-            return acceptance.measure_acceptance(target, model, prompts, job.eval_tokens, paths, job.select_mode, eos,
-                                                 greedy, greedy_s)
+            return acceptance.measure_acceptance(target, model, prompts, select.eval_tokens, paths, select.select_mode,
+                                                 eos, greedy, greedy_s)
 
         return heads, lambda model, batch: medusa_loss(model, batch["hidden"], batch["input_ids"],
                                                        batch["loss_mask"]), count_fn, measure
 
     def measure(model, prompts, eos, greedy, greedy_s):
-        return acceptance.measure_eagle(target, model, prompts, job.eval_tokens, job.tree, job.select_mode, eos,
+        return acceptance.measure_eagle(target, model, prompts, select.eval_tokens, job.tree, select.select_mode, eos,
                                         greedy, greedy_s)
 
     if job.head == "eagle":
@@ -320,15 +311,15 @@ def _head_for(job: HeadsJob, target, examples, console: Console | None):
         return head, lambda model, batch: eagle_loss(model, batch["hidden"], batch["input_ids"],
                                                      batch["loss_mask"]), count_fn, measure
     V = target.get_output_embeddings().weight.shape[0]
-    vocab, covered = draft_vocabulary([e.input_ids[e.loss_mask] for e in examples], V, min(job.draft_vocab, V))
+    vocab, covered = draft_vocabulary([e.input_ids[e.loss_mask] for e in examples], V, min(eagle.draft_vocab, V))
     if console is not None:
         console.print(f"draft vocabulary: {len(vocab):,} of {V:,} target tokens, covering {covered:.1%} of the "
                       f"trained labels")
-    head = EagleHead.from_target(target, "eagle3", job.aux_layers, vocab)
+    head = EagleHead.from_target(target, "eagle3", eagle.aux_layers, vocab)
     lm_head = target.get_output_embeddings().weight
 
     def loss_fn(model, batch):
-        return eagle3_loss(model, batch["hidden"], batch["input_ids"], batch["loss_mask"], lm_head, job.ttt_steps)
+        return eagle3_loss(model, batch["hidden"], batch["input_ids"], batch["loss_mask"], lm_head, eagle.ttt_steps)
 
     in_vocab = head.t2d.detach().cpu()  # count_fn sees the batches before they move to the training device
 
@@ -348,8 +339,8 @@ def _check_target_fits(spec: str, dtype: torch.dtype) -> None:
     """Refuse, before loading it, a float safetensors target larger than the memory available, naming
     ``--stream-target``."""
     from toolkit.engine import memory
-    from toolkit.models import empty_model
     from toolkit.engine.shards import is_safetensors_dir
+    from toolkit.models import empty_model
 
     if not is_safetensors_dir(spec) or (Path(spec).expanduser() / "compound.json").exists():
         return

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from toolkit.formats import Scheme, awq, gptq, read_quantization_config
 from toolkit.formats.checkpoint import MANIFEST, verify_manifest
 from toolkit.runtime.load import CheckpointError
 
@@ -241,11 +242,12 @@ def serving_preview(directory: Path | str, shapes: list[tuple[int, int]]) -> Ser
     config = json.loads((Path(directory) / "config.json").read_text())
     q = config["quantization_config"]
     method = q["quant_method"]
-    bits, group_size, sym, zero_point, desc_act = _numerics(q)
+    scheme = read_quantization_config(q)
+    bits, group_size = scheme.bits, scheme.group_size
     problems = [f"{K}-wide input is not a multiple of group_size {group_size} (vLLM checks every linear)"
                 for K, _ in sorted(set(shapes)) if group_size != -1 and K % group_size]
 
-    vllm_gpu, why = _vllm_gpu(method, bits, group_size, sym, zero_point, desc_act, q)
+    vllm_gpu, why = _vllm_gpu(scheme, q)
     cpu_problems = ([f"{bits}-bit weights (its kernel runs 4-bit only)"] if bits != 4 else []) + \
         ([f"odd group size {group_size}"] if group_size != -1 and group_size % 2 else []) + \
         [f"a {K}→{N} linear (widths must be multiples of 32)" for K, N in sorted(set(shapes)) if K % 32 or N % 32]
@@ -264,26 +266,14 @@ def serving_preview(directory: Path | str, shapes: list[tuple[int, int]]) -> Ser
     return ServingPreview(
         quant_method=method,
         scheme=f"{bits}-bit, {'per-channel' if group_size == -1 else f'group {group_size}'}, "
-               f"{'symmetric' if sym else 'asymmetric (zero points)'}, act-order {'dynamic' if desc_act else 'off/static'}",
+               f"{'symmetric' if scheme.sym else 'asymmetric (zero points)'}, "
+               f"act-order {'dynamic' if scheme.desc_act else 'off/static'}",
         vllm_gpu=vllm_gpu, vllm_gpu_why=why, vllm_cpu=vllm_cpu, vllm_cpu_why=cpu_why,
         vllm_command=f"vllm serve {path} --dtype {dtype}",
         vllm_cpu_command=f"VLLM_CPU_INT4_W4A8=0 vllm serve {path} --dtype {dtype}",
         sglang_command=f"python -m sglang.launch_server --model-path {path} --dtype {dtype}",
         problems=problems,
     )
-
-
-def _numerics(q: dict) -> tuple[int, int, bool, bool, bool]:
-    """(bits, group_size, symmetric, zero_point, dynamic act-order) from any of the three configs."""
-    if q["quant_method"] == "compressed-tensors":
-        w = next(iter(q["config_groups"].values()))["weights"]
-        sym = bool(w.get("symmetric", True))
-        return w["num_bits"], w.get("group_size") or -1, sym, not sym, w.get("actorder") == "group"
-    bits = q.get("bits", q.get("w_bit"))
-    group_size = q.get("group_size", q.get("q_group_size"))
-    if q["quant_method"] == "awq":
-        return bits, group_size, False, bool(q.get("zero_point", False)), False
-    return bits, group_size, bool(q.get("sym", False)), not q.get("sym", False), bool(q.get("desc_act", False))
 
 
 def _fast_kernel(group_size: int) -> str:
@@ -293,29 +283,31 @@ def _fast_kernel(group_size: int) -> str:
     return "Marlin (Machete needs g ∈ {-1, 64, 128})"
 
 
-def _vllm_gpu(method: str, bits: int, group_size: int, sym: bool, zero_point: bool, desc_act: bool,
-              q: dict) -> tuple[str, str]:
-    """(vLLM method → kernel, why) on a CUDA GPU, per FORMATS.md §6 (vLLM 0.32)."""
+def _vllm_gpu(scheme: Scheme, q: dict) -> tuple[str, str]:
+    """(vLLM method → kernel, why) on a CUDA GPU, per FORMATS.md §6 (vLLM 0.32); ``q`` is the raw config, whose
+    missing keys vLLM refuses."""
+    bits, group_size = scheme.bits, scheme.group_size
     marlin_group = group_size in MARLIN_GROUP_SIZES
-    if method == "gptq":
+    if scheme.format is gptq:
         missing = [k for k in ("bits", "group_size", "sym", "desc_act") if k not in q]
         if missing:
             return "refused", (f"keys {missing} missing: vLLM 0.32 requires them (older releases fall back to the "
                                "fp16-only ExLlama path, FORMATS.md §12 item 1)")
-        if not sym:
+        if not scheme.sym:
             return "refused", "vLLM 0.32 loads GPTQ only symmetric ('Unsupported quantization config: sym=False')"
         if bits not in (4, 8):
             return "refused", f"vLLM 0.32 GPTQ type map is 4- and 8-bit symmetric; this has {bits}"
-        if desc_act and group_size != -1:
+        if scheme.desc_act and group_size != -1:
             return "refused", "desc_act with groups is no longer supported; re-quantize with static groups"
         if not marlin_group:
-            return "gptq_marlin → ExLlama/Triton fallback", f"group {group_size} is not a Marlin group size {MARLIN_GROUP_SIZES}"
+            return "gptq_marlin → ExLlama/Triton fallback", \
+                f"group {group_size} is not a Marlin group size {MARLIN_GROUP_SIZES}"
         return f"gptq_marlin → {_fast_kernel(group_size)}", \
             f"GPTQ {'uint4b8' if bits == 4 else 'uint8b128'} (sym {bits}-bit), g{group_size}, every key present"
-    if method == "awq":
+    if scheme.format is awq:
         if bits != 4:
             return "refused", f"vLLM's AWQ is 4-bit only; this has {bits}"
-        if not zero_point:
+        if not scheme.zero_point:
             return "awq → AWQ GEMM", "zero_point false keeps AWQ off Marlin (it pairs uint4 with zero points)"
         if not marlin_group:
             return "awq → AWQ GEMM", f"group {group_size} is not a Marlin group size {MARLIN_GROUP_SIZES}"
@@ -323,5 +315,5 @@ def _vllm_gpu(method: str, bits: int, group_size: int, sym: bool, zero_point: bo
     if not marlin_group:
         return "compressed-tensors WNA16 → Triton/ExLlama fallback", \
             f"group {group_size} is not a Marlin group size {MARLIN_GROUP_SIZES}"
-    kind = f"uint{bits}b{1 << (bits - 1)}" if sym else f"uint{bits} + zero points"
+    kind = f"uint{bits}b{1 << (bits - 1)}" if scheme.sym else f"uint{bits} + zero points"
     return f"compressed-tensors WNA16 → {_fast_kernel(group_size)}", f"pack-quantized {kind}, g{group_size}"

@@ -3,12 +3,21 @@ distribution (chi-square against the exact softmax), and a wrong accept rule is 
 
 import pytest
 import torch
+from conftest import tiny_config
 from transformers import AutoModelForCausalLM
 
-from conftest import tiny_config
-from toolkit.decode import (DraftContext, Decoder, MedusaDrafter, ModelDrafter, Proposal, SamplingConfig, eagle2_tree,
-                            generate, speculative_generate)
-from toolkit.decode import speculative
+from toolkit.decode import (
+    Decoder,
+    DraftContext,
+    MedusaDrafter,
+    ModelDrafter,
+    Proposal,
+    SamplingConfig,
+    eagle2_tree,
+    generate,
+    speculative,
+    speculative_generate,
+)
 from toolkit.decode.sampling import probs
 
 VOCAB = 512
@@ -240,7 +249,7 @@ def test_smollm2_with_its_own_w4_quantization_as_draft_is_lossless(smol_tokenize
     from toolkit.quant.configs import RTNConfig
 
     target, draft = load_model("smollm2-135m"), load_model("smollm2-135m")
-    quantize_layers(draft, RTNConfig(group_size=64), driver_for("rtn"), None, lambda *a: None)
+    quantize_layers(draft, RTNConfig(group_size=64), driver_for(RTNConfig()), None, lambda *a: None)
     messages = [{"role": "user", "content": "List three uses of a paperclip."}]
     prompt = smol_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
     prompt = torch.as_tensor(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)[0]

@@ -4,10 +4,12 @@ then the one-process checkpoint up to what such rounding moves in GPTQ (as much 
 process moves it: one code in a few hundred); rank 0 alone writes it; what cannot be split is refused."""
 
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ import torch
 from toolkit.engine.distributed import join, max_over_ranks, mean_over_ranks
 from toolkit.formats.checkpoint import read_tensors
 from toolkit.formats.gptq import unpack
-from toolkit.quant.configs import ConfigError, make_config
+from toolkit.quant.configs import AWQConfig, AWQGPTQConfig, ConfigError, RTNConfig, make_config
 from toolkit.quant.gptq import HessianAccumulator
 from toolkit.quantize import CalibrationSpec, _check_data_parallel
 
@@ -86,6 +88,23 @@ def test_what_cannot_be_split_is_refused():
     with pytest.raises(ConfigError, match="at least 4 --samples"):
         _check_data_parallel(make_config("gptq", bits=4, group_size=32), CalibrationSpec(samples=3), 4)
     _check_data_parallel(make_config("rtn", bits=4, group_size=32), CalibrationSpec(samples=1), 4)
+
+
+def test_data_parallel_refusal_follows_the_capability():
+    @dataclass(frozen=True)
+    class SerialConfig(RTNConfig):  # a method declared here: no other file names it
+        method = "serial"
+        data_parallel = False
+
+    @dataclass(frozen=True)
+    class SplitAWQConfig(AWQConfig):
+        data_parallel = True
+
+    for config in (SerialConfig(), AWQGPTQConfig()):
+        with pytest.raises(ConfigError, match="under torchrun compound quantizes with rtn or gptq; "
+                                             rf"{re.escape(config.method)}'s search runs in one process"):
+            _check_data_parallel(config, CalibrationSpec(samples=8), 2)
+    _check_data_parallel(SplitAWQConfig(), CalibrationSpec(samples=8), 2)
 
 
 if __name__ == "__main__":  # one rank of test_hessians_and_absmax_reduce_to_the_whole_batchs

@@ -1,7 +1,7 @@
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from toolkit.engine.loop import ActivationError, LayerSession, quantize_layers
 from toolkit.methods import driver_for
 from toolkit.quant.configs import ConfigError, GPTQConfig, RTNConfig
@@ -12,7 +12,7 @@ def test_rtn_quantizes_every_decoder_linear_in_place():
     model = tiny_model("qwen2", vocab=128)
     originals = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     sunk = {}
-    errors = quantize_layers(model, RTNConfig(group_size=32), driver_for("rtn"), None, sunk.__setitem__)
+    errors = quantize_layers(model, RTNConfig(group_size=32), driver_for(RTNConfig()), None, sunk.__setitem__)
     assert sorted(sunk) == sorted(n for n in originals if n != "lm_head") == sorted(errors)
     for name, qweight in sunk.items():
         expected = quantize_rtn(originals[name], 4, 32, True).dequantize()
@@ -39,7 +39,8 @@ def test_freed_heap_goes_back_to_the_os_after_every_layer(monkeypatch):
 
     monkeypatch.setattr("toolkit.engine.loop.trim_heap", lambda: trims.append(list(done)))
     tokens = torch.randint(0, 128, (4, 16))
-    quantize_layers(model, GPTQConfig(group_size=32), driver_for("gptq"), tokens, lambda *a: None, progress=Progress())
+    config = GPTQConfig(group_size=32)
+    quantize_layers(model, config, driver_for(config), tokens, lambda *a: None, progress=Progress())
     layers = len(model.model.layers)
     assert layers > 1 and trims == [list(range(i + 1)) for i in range(layers)]  # once per layer, after it is done
 
@@ -47,14 +48,14 @@ def test_skip_by_suffix():
     model = tiny_model("llama", vocab=128)
     sunk = {}
     config = RTNConfig(group_size=32, skip=("lm_head", "mlp.down_proj"))
-    quantize_layers(model, config, driver_for("rtn"), None, sunk.__setitem__)
+    quantize_layers(model, config, driver_for(config), None, sunk.__setitem__)
     assert not any(n.endswith("down_proj") for n in sunk) and len(sunk) == 12
 
 
 def test_group_size_not_dividing_width_is_refused_before_work():
     model = tiny_model("llama", hidden=96, vocab=128)
     with pytest.raises(ConfigError, match="does not divide the input width of model.layers.0.self_attn.q_proj"):
-        quantize_layers(model, RTNConfig(group_size=64), driver_for("rtn"), None, lambda *a: pytest.fail("ran"))
+        quantize_layers(model, RTNConfig(group_size=64), driver_for(RTNConfig()), None, lambda *a: pytest.fail("ran"))
 
 
 def test_nan_activations_are_named():
@@ -88,7 +89,7 @@ def test_gptq_replay_gives_the_same_weights_without_recomputing_attention(arch, 
         if not replay:
             monkeypatch.setattr(LayerSession, "trace_replayable", lambda self: {})
         sunk = {}
-        quantize_layers(model, config, driver_for("gptq"), tokens, sunk.__setitem__, batch_size=4)
+        quantize_layers(model, config, driver_for(config), tokens, sunk.__setitem__, batch_size=4)
         monkeypatch.undo()
         return sunk, model, dict(calls)  # a copy: the logits below run the hooks again
 

@@ -1,10 +1,12 @@
+from dataclasses import dataclass
+
 import pytest
 import torch
 from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from toolkit.engine import memory
-from toolkit.quant.configs import GPTQConfig, RTNConfig
+from toolkit.quant.configs import METHODS, GPTQConfig, RTNConfig
 
 MiB = 2**20
 
@@ -42,6 +44,28 @@ def test_in_memory_and_offloaded_estimates(skeleton):
     offloaded = memory.estimate(skeleton, GPTQConfig(group_size=32), 128, 32, streamed=True, offload=True)
     assert offloaded.parts["activations"] == 2 * 8 * 32 * 64 * 4  # one batch of 8
     assert "replay inputs" not in offloaded.parts  # activations on disk: nothing is kept for replay
+
+
+def test_statistics_parts_follow_the_capabilities(skeleton):
+    def statistics(config):
+        parts = memory.estimate(skeleton, config, 16, 32, streamed=True).parts
+        return "hessians" in parts, "awq inputs" in parts
+
+    assert {name: statistics(cls(group_size=32)) for name, cls in METHODS.items()} == {
+        "rtn": (False, False), "gptq": (True, False), "awq": (False, True), "awq+gptq": (True, True),
+    }
+
+    @dataclass(frozen=True)
+    class BothConfig(RTNConfig):  # a method declared here: no other file names it
+        max_tokens: int = 64
+        method = "both"
+        needs_activations = True
+        needs_hessian = True
+        searches_scales = True
+
+    got = memory.estimate(skeleton, BothConfig(group_size=32), 16, 32, streamed=True).parts
+    assert got["hessians"] == 3 * 128**2 * 4  # widest input (down_proj, 128)
+    assert got["awq inputs"] == 64 * (4 * 64 + 2 * 64 + 128) * 4  # max_tokens × q, k, v, o, gate, up, down inputs
 
 
 def test_refusal_names_the_way_out(skeleton):

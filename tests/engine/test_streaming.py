@@ -8,18 +8,18 @@ import textwrap
 
 import pytest
 import torch
+from conftest import tiny_model
 from safetensors.torch import save_file
 
 import toolkit.quantize as quantize_module
-from conftest import tiny_model
 from toolkit.engine import memory
+from toolkit.engine.streaming import stream_model
 from toolkit.formats.checkpoint import read_tensors, verify_manifest
 from toolkit.methods import driver_for
 from toolkit.models import ModelError
 from toolkit.quant.configs import ConfigError, RTNConfig, make_config
-from toolkit.quantize import CalibrationSpec, quantize
+from toolkit.quantize import CalibrationSpec, QuantizeSettings, quantize
 from toolkit.runtime.load import load_quantized
-from toolkit.engine.streaming import stream_model
 
 CALIBRATION = CalibrationSpec("sharegpt", samples=4, seq_len=32)
 
@@ -38,8 +38,8 @@ def sharded_llama(tmp_path_factory, smol_tokenizer):
 def test_streamed_checkpoint_is_the_in_memory_one(sharded_llama, tmp_path, one_thread, method, offload):
     config = make_config(method, bits=4, group_size=32)
     in_memory = quantize(str(sharded_llama), config, tmp_path / "memory", CALIBRATION).output
-    streamed = quantize(str(sharded_llama), config, tmp_path / "streamed", CALIBRATION, stream=True,
-                        offload_activations=offload).output
+    streamed = quantize(str(sharded_llama), config, tmp_path / "streamed", CALIBRATION,
+                        settings=QuantizeSettings(stream=True, offload_activations=offload)).output
     expected, got = read_tensors(in_memory), read_tensors(streamed)
     assert sorted(got) == sorted(expected)
     assert all(torch.equal(got[name], expected[name]) for name in expected)
@@ -52,7 +52,8 @@ def test_streamed_checkpoint_is_the_in_memory_one(sharded_llama, tmp_path, one_t
 
 def test_streamed_checkpoint_loads_and_runs(sharded_llama, tmp_path, one_thread):
     config = RTNConfig(group_size=32)
-    streamed = quantize(str(sharded_llama), config, tmp_path / "streamed", stream=True).output
+    streamed = quantize(str(sharded_llama), config, tmp_path / "streamed",
+                        settings=QuantizeSettings(stream=True)).output
     in_memory = quantize(str(sharded_llama), config, tmp_path / "memory").output
     tokens = torch.randint(0, 1000, (1, 12))
     with torch.no_grad():
@@ -62,28 +63,30 @@ def test_streamed_checkpoint_loads_and_runs(sharded_llama, tmp_path, one_thread)
 
 
 def test_streamed_run_failing_halfway_leaves_no_output(sharded_llama, tmp_path, monkeypatch):
-    rtn = driver_for("rtn")
+    rtn = driver_for(RTNConfig())
 
     def fail_on_second_layer(session):
         if session.index == 1:
             raise RuntimeError("driver failed on layer 1")
         return rtn(session)
 
-    monkeypatch.setattr(quantize_module, "driver_for", lambda method: fail_on_second_layer)
+    monkeypatch.setattr(quantize_module, "driver_for", lambda config: fail_on_second_layer)
     with pytest.raises(RuntimeError, match="driver failed on layer 1"):
-        quantize(str(sharded_llama), RTNConfig(group_size=32), tmp_path / "out", stream=True)
+        quantize(str(sharded_llama), RTNConfig(group_size=32), tmp_path / "out", settings=QuantizeSettings(stream=True))
     assert list(tmp_path.iterdir()) == []
 
 
 def test_refusals(sharded_llama, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="--kv-cache needs the in-memory mode"):
-        quantize(str(sharded_llama), RTNConfig(group_size=32), tmp_path / "kv", kv_cache="int8", stream=True)
+        quantize(str(sharded_llama), RTNConfig(group_size=32), tmp_path / "kv",
+                 settings=QuantizeSettings(kv_cache="int8", stream=True))
     with pytest.raises(ModelError, match="local safetensors model directory.*run without --stream"):
         stream_model("smollm2-135m")
     monkeypatch.setattr(memory, "available_memory", lambda: 2**20)
     with pytest.raises(memory.MemoryLimitError, match=r"needs about 0\.5 GiB \(streamed\) but 0\.0 GiB is available.*"
                        r"fewer --samples .*--offload-activations"):
-        quantize(str(sharded_llama), make_config("gptq", group_size=32), tmp_path / "big", CALIBRATION, stream=True)
+        quantize(str(sharded_llama), make_config("gptq", group_size=32), tmp_path / "big", CALIBRATION,
+                 settings=QuantizeSettings(stream=True))
     assert list(tmp_path.iterdir()) == []
 
 
@@ -125,8 +128,9 @@ def test_streamed_peak_memory_stays_far_below_the_model(tmp_path, smol_tokenizer
         import torch
         torch.set_num_threads(1)
         from toolkit.quant.configs import RTNConfig
-        from toolkit.quantize import quantize
-        print(quantize({str(model)!r}, RTNConfig(group_size=128), {str(tmp_path / "out")!r}, stream=True).peak_rss_mb)
+        from toolkit.quantize import QuantizeSettings, quantize
+        print(quantize({str(model)!r}, RTNConfig(group_size=128), {str(tmp_path / "out")!r},
+                       settings=QuantizeSettings(stream=True)).peak_rss_mb)
     """)  # VmHWM (``toolkit.quantize.peak_rss_mb``): the child's own peak, not the test process's (GBs by now)
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import tiny_model
 from torch import nn
 
-from conftest import tiny_model
 from toolkit.decode import greedy_outputs
 from toolkit.evaluate import acceptance
 from toolkit.heads.hidden_states import target_hidden_states

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_model
 from typer.testing import CliRunner
 
-from conftest import tiny_model
 from toolkit.cli import app
 from toolkit.evaluate.report import KEYS, SLICE_KEYS
 from toolkit.evaluate.slices import SLICES
@@ -90,8 +90,8 @@ def test_a_quantized_checkpoint_reports_its_per_layer_error(tmp_path, tiny_llama
 
 
 def test_heads_get_an_accepted_length_per_slice(tmp_path, tiny_llama_dir):
-    from toolkit.heads.medusa_export import export_medusa
     from toolkit.heads.medusa import MedusaConfig, MedusaHeads
+    from toolkit.heads.medusa_export import export_medusa
 
     torch.manual_seed(0)
     heads = export_medusa(MedusaHeads(MedusaConfig(64, 49152, num_heads=2)), tmp_path / "heads",

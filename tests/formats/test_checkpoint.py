@@ -88,13 +88,14 @@ def test_write_checkpoint_contents_and_manifest(tmp_path, smol_tokenizer):
 def _packed_tiny_llama():
     """A tiny Llama quantized in memory (RTN W4 g32) and its linears packed as GPTQ."""
     from conftest import tiny_model
+
     from toolkit.engine.loop import quantize_layers
     from toolkit.formats import gptq
     from toolkit.methods import driver_for
     from toolkit.quant.configs import RTNConfig
 
     model, config, packed = tiny_model("llama"), RTNConfig(bits=4, group_size=32), {}
-    quantize_layers(model, config, driver_for("rtn"), None, lambda name, q: packed.update({name: gptq.pack(q)}))
+    quantize_layers(model, config, driver_for(config), None, lambda name, q: packed.update({name: gptq.pack(q)}))
     return model, gptq.quantization_config(config), packed
 
 

@@ -138,10 +138,10 @@ def test_compressed_tensors_decompressor_agrees_on_a_written_checkpoint(tmp_path
     from compressed_tensors.entrypoints.convert.converters import CompressedTensorsDequantizer
     from safetensors.torch import load_file
 
-    from toolkit.quantize import quantize
+    from toolkit.quantize import QuantizeSettings, quantize
 
     out = quantize(str(tiny_llama_dir), RTNConfig(bits=bits, group_size=group_size, sym=sym), tmp_path / "q",
-                   fmt="compressed-tensors", dtype=torch.float16).output
+                   settings=QuantizeSettings(format="compressed-tensors", dtype="float16")).output
     tensors = load_file(out / "model.safetensors")
     theirs = CompressedTensorsDequantizer(out, dtype=torch.float16).validate(dict(tensors))
     modules = {k.removesuffix(".weight_packed") for k in tensors if k.endswith(".weight_packed")}

@@ -3,14 +3,21 @@ speculative decoding with the drafter in chains and EAGLE-2 trees."""
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from toolkit.decode import Decoder, generate, speculative_generate
 from toolkit.decode.speculative import DraftContext
-from toolkit.heads.eagle import (EagleConfig, EagleHead, TTTAttention, draft_vocabulary, eagle3_loss,
-                                 eagle3_step_outputs, eagle_loss)
 from toolkit.decode.tree import eagle2_tree
 from toolkit.evaluate.acceptance import eagle_shapes
+from toolkit.heads.eagle import (
+    EagleConfig,
+    EagleHead,
+    TTTAttention,
+    draft_vocabulary,
+    eagle3_loss,
+    eagle3_step_outputs,
+    eagle_loss,
+)
 from toolkit.heads.eagle_draft import EagleDrafter, TreeShape, _Tree, eagle_decoder
 from toolkit.heads.hidden_states import target_hidden_states
 

@@ -6,13 +6,14 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_model
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from conftest import tiny_model
 from toolkit.formats.checkpoint import MANIFEST, sha256_file
 from toolkit.heads import eagle_export
 from toolkit.heads.eagle import EagleHead, causal_attention
+from toolkit.heads.eagle_draft import TreeShape
 from toolkit.heads.eagle_export import expected_eagle_tensors, export_eagle, load_eagle, serving_flags
 
 TARGET = "tiny-llama"
@@ -281,6 +282,11 @@ def test_serving_flags_for_vllm_and_sglang(target, tmp_path):
     assert flags["vllm"] == f"--speculative-config '{flags['vllm_speculative_config']}'"
     assert flags["sglang"] == ("--speculative-algorithm EAGLE3 --speculative-draft-model-path heads/eagle3 "
                                "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4")
+    tree = serving_flags(out, "heads/eagle3", 3, TreeShape(3, 2, 4))  # SGLang counts the root: 4 nodes + 1
+    assert "sglang_tree" not in flags and tree["sglang"] == flags["sglang"]
+    assert tree["sglang_tree"] == ("--speculative-algorithm EAGLE3 --speculative-draft-model-path heads/eagle3 "
+                                   "--speculative-num-steps 3 --speculative-eagle-topk 2 "
+                                   "--speculative-num-draft-tokens 5")
     eagle = serving_flags(make_head(target, "eagle").config, "d", 5)
     assert json.loads(eagle["vllm_speculative_config"]) == {"method": "eagle", "model": "d",
                                                             "num_speculative_tokens": 5,

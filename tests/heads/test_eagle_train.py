@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # conftest's tiny_model, also when run by torchrun
 from conftest import tiny_model  # noqa: E402
+
 from toolkit.heads.eagle import EagleHead, eagle3_loss  # noqa: E402
 from toolkit.heads.hidden_states import target_hidden_states  # noqa: E402
 from toolkit.heads.train import TrainConfig, collate, train  # noqa: E402
@@ -23,8 +24,8 @@ from toolkit.heads.train import TrainConfig, collate, train  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB = 128
-CONFIG = TrainConfig(lr=1e-2, warmup_steps=2, max_steps=8, batch_size=4, micro_batch_size=2, eval_every=4,
-                     save_every=4, log_every=2)
+CONFIG = TrainConfig(lr=1e-2, warmup_steps=2, steps=8, batch_size=4, micro_batch_size=2, train_dtype="fp32",
+                     eval_every=4, save_every=4, log_every=2)
 
 
 def setup():

@@ -9,8 +9,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from toolkit.formats.checkpoint import MANIFEST, sha256_file
-from toolkit.heads.medusa_export import expected_medusa_tensors, export_medusa, load_medusa
 from toolkit.heads.medusa import MedusaConfig, MedusaHeads
+from toolkit.heads.medusa_export import expected_medusa_tensors, export_medusa, load_medusa
 
 H, V, K, L = 16, 50, 3, 2
 CONFIG = MedusaConfig(hidden_size=H, vocab_size=V, num_heads=K, num_layers=L)

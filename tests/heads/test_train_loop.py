@@ -22,8 +22,8 @@ from toolkit.heads.train import TrainConfig, collate, global_batch_indices, trai
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB, HIDDEN = 50, 16
-CONFIG = TrainConfig(lr=3e-2, warmup_steps=2, max_steps=12, batch_size=8, micro_batch_size=4, eval_every=4,
-                     save_every=4, log_every=2)
+CONFIG = TrainConfig(lr=3e-2, warmup_steps=2, steps=12, batch_size=8, micro_batch_size=4, train_dtype="fp32",
+                     eval_every=4, save_every=4, log_every=2)
 
 
 def chain_data(num_examples: int = 40, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -88,7 +88,7 @@ def test_loss_goes_down(tmp_path, dtype):
         autocast_seen.append(torch.is_autocast_enabled("cpu"))
         return loss_fn(model, batch)
 
-    config = replace(CONFIG, max_steps=60, eval_every=20, save_every=60, log_every=10, dtype=dtype)
+    config = replace(CONFIG, steps=60, eval_every=20, save_every=60, log_every=10, train_dtype=dtype)
     result = train(heads, recording_loss_fn, data, config, tmp_path, eval_fn=lambda m: {"loss": mean_loss(m, data)},
                    progress=False)
     assert result.steps == 60 and result.final_metrics["loss"] < 0.5 * before
@@ -180,11 +180,11 @@ def test_refusals(tmp_path):
     train(new_heads(), loss_fn, data, CONFIG, tmp_path / "run", progress=False, stop_after=2)
     with pytest.raises(ValueError, match="lr was 0.03 and is now 0.01"):
         train(new_heads(), loss_fn, data, replace(CONFIG, lr=1e-2), tmp_path / "run", progress=False)
-    with pytest.raises(ValueError, match="max_steps may be raised, not lowered"):
-        train(new_heads(), loss_fn, data, replace(CONFIG, max_steps=8), tmp_path / "run", progress=False)
+    with pytest.raises(ValueError, match="steps may be raised, not lowered"):
+        train(new_heads(), loss_fn, data, replace(CONFIG, steps=8), tmp_path / "run", progress=False)
     with pytest.raises(FileExistsError, match="resume=True"):
         train(new_heads(), loss_fn, data, CONFIG, tmp_path / "run", progress=False, resume=False)
-    result = train(new_heads(), loss_fn, data, replace(CONFIG, max_steps=20, log_every=5), tmp_path / "run",
+    result = train(new_heads(), loss_fn, data, replace(CONFIG, steps=20, log_every=5), tmp_path / "run",
                    progress=False, stop_after=3)
     assert result.steps == 3
 
@@ -194,7 +194,7 @@ def test_a_batch_without_labels_skips_the_update(tmp_path):
     heads = new_heads()
     before = {k: v.clone() for k, v in heads.state_dict().items()}
     with pytest.warns(UserWarning, match="no label token") as caught:
-        train(heads, loss_fn, data, replace(CONFIG, max_steps=3), tmp_path, progress=False)
+        train(heads, loss_fn, data, replace(CONFIG, steps=3), tmp_path, progress=False)
     assert len([w for w in caught if "no label token" in str(w.message)]) == 1
     assert all(torch.equal(before[k], v) for k, v in heads.state_dict().items())
 

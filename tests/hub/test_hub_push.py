@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from local_hub import USER, LocalHub
+
 from toolkit.formats.checkpoint import MANIFEST, sha256_file, write_directory
 from toolkit.formats.gptq import quantization_config
 from toolkit.hub import ALIAS_BASE_MODELS, HubError, _acceptance_png, card_results, model_card, push
@@ -156,8 +156,8 @@ def test_push_round_trip(hub, artifact, tmp_path):
 
 
 def test_heads_card_serves_with_medusa_and_plots_acceptance(hub, tmp_path):
-    from toolkit.heads.medusa_export import export_medusa
     from toolkit.heads.medusa import MedusaConfig, MedusaHeads
+    from toolkit.heads.medusa_export import export_medusa
 
     heads = export_medusa(MedusaHeads(MedusaConfig(hidden_size=64, vocab_size=256, num_heads=3)), tmp_path / "heads",
                           target="smollm2-135m", target_sha256="0" * 64,
@@ -319,6 +319,7 @@ def test_eagle3_card_serves_with_vllm_and_sglang(tmp_path):
     """An EAGLE-3 head's card: tags, the target, and the exact serving flags of both engines (vLLM's layer ids
     in the config, SGLang's in eagle_config)."""
     from conftest import tiny_model
+
     from toolkit.heads.eagle import EagleHead
     from toolkit.heads.eagle_export import export_eagle
 
@@ -393,8 +394,8 @@ def test_plot_and_aliases():
 
 
 def test_heads_for_a_quantized_target_link_its_base_and_leave_the_target_to_fill(artifact, tmp_path):
-    from toolkit.heads.medusa_export import export_medusa
     from toolkit.heads.medusa import MedusaConfig, MedusaHeads
+    from toolkit.heads.medusa_export import export_medusa
 
     heads = export_medusa(MedusaHeads(MedusaConfig(hidden_size=64, vocab_size=256, num_heads=2)), tmp_path / "heads",
                           target=str(artifact), target_sha256="0" * 64)

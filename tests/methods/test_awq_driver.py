@@ -7,8 +7,8 @@ import torch
 import transformers
 
 from toolkit.engine.loop import LayerInputs, quantize_layers
-from toolkit.methods import DRIVERS, rtn
 from toolkit.methods import awq as driver
+from toolkit.methods import driver_for, rtn
 from toolkit.models import arch_spec, decoder_layers
 from toolkit.quant.configs import AWQConfig, RTNConfig
 
@@ -62,7 +62,7 @@ def _quantize(model, config, layer_driver, tokens):
 
 
 def test_driver_is_registered():
-    assert DRIVERS["awq"] is driver.quantize_layer
+    assert driver_for(AWQConfig()) is driver.quantize_layer
 
 
 @pytest.mark.parametrize("model_type,kv_heads", [("llama", 4), ("llama", 2), ("gemma", 4)])

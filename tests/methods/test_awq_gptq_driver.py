@@ -4,10 +4,10 @@ import copy
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from toolkit.engine.loop import quantize_layers
-from toolkit.methods import DRIVERS, awq_gptq, driver_for
+from toolkit.methods import awq_gptq, driver_for
 from toolkit.models import decoder_layers
 from toolkit.quant.configs import AWQConfig, AWQGPTQConfig, ConfigError, GPTQConfig, make_config
 
@@ -40,7 +40,7 @@ def layer_output_errors(model, reference, tokens):
 
 
 def test_method_is_registered_with_asymmetric_default():
-    assert DRIVERS["awq+gptq"] is awq_gptq.quantize_layer
+    assert driver_for(AWQGPTQConfig()) is awq_gptq.quantize_layer
     config = make_config("awq+gptq", group_size=64, damp=0.05, grid=10)
     assert isinstance(config, AWQGPTQConfig) and config.method == "awq+gptq"
     assert (config.sym, config.damp, config.grid, config.true_sequential) == (False, 0.05, 10, True)
@@ -62,7 +62,7 @@ def test_combination_beats_awq_and_gptq_on_layer_outputs(seed):
     errors, weights = {}, {}
     for method, config in configs.items():
         model, sunk = copy.deepcopy(reference), {}
-        quantize_layers(model, config, driver_for(method), calibration_tokens(0), sunk.__setitem__)
+        quantize_layers(model, config, driver_for(config), calibration_tokens(0), sunk.__setitem__)
         errors[method] = layer_output_errors(model, reference, held_out)
         weights[method] = model, sunk
     # Measured (seed 0): awq [0.116, 0.123], gptq [0.143, 0.143], awq+gptq [0.092, 0.095].
@@ -82,20 +82,22 @@ def test_combination_beats_awq_and_gptq_on_layer_outputs(seed):
 @pytest.mark.parametrize("fmt", ["awq", "compressed-tensors"])
 def test_checkpoint_loads_to_the_in_memory_model(tmp_path, tiny_llama_dir, smol_tokenizer, fmt):
     from toolkit.calibration import calibration_batch, eval_windows
+
     from toolkit.evaluate.perplexity import perplexity
-    from toolkit.quantize import CalibrationSpec, quantize
+    from toolkit.quantize import CalibrationSpec, QuantizeSettings, quantize
     from toolkit.runtime.load import load_quantized, read_manifest
 
     config = AWQGPTQConfig(group_size=GROUP)
     calibration = CalibrationSpec(samples=8, seq_len=64)
-    out = quantize(str(tiny_llama_dir), config, tmp_path / "q", calibration, fmt=fmt, dtype=torch.float32).output
+    out = quantize(str(tiny_llama_dir), config, tmp_path / "q", calibration,
+                   settings=QuantizeSettings(format=fmt, dtype="float32")).output
     loaded, _ = load_quantized(out)
     assert read_manifest(out)["quantization"]["method"] == "awq+gptq"
 
     # The same model and calibration tokens quantized in memory: folded norms and dequantized weights.
     reference = tiny_model("llama")
     tokens = calibration_batch(smol_tokenizer, calibration.dataset, calibration.samples, calibration.seq_len, 0)
-    quantize_layers(reference, config, driver_for("awq+gptq"), tokens, lambda *a: None)
+    quantize_layers(reference, config, driver_for(config), tokens, lambda *a: None)
     windows = eval_windows(smol_tokenizer, windows=2, seq_len=64)
     with torch.no_grad():
         expected, got = reference(windows).logits, loaded(windows).logits

@@ -1,7 +1,7 @@
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from toolkit.engine.loop import ActivationError, quantize_layers
 from toolkit.methods import driver_for
 from toolkit.quant.configs import GPTQConfig, RTNConfig
@@ -15,7 +15,7 @@ def quantize(config):
     """A fresh tiny Llama (hidden 64, intermediate 128, 2 layers), quantized with ``config``."""
     model = tiny_model("llama", vocab=128)
     sunk = {}
-    errors = quantize_layers(model, config, driver_for(config.method), calibration_tokens(0), sunk.__setitem__)
+    errors = quantize_layers(model, config, driver_for(config), calibration_tokens(0), sunk.__setitem__)
     return model, sunk, errors
 
 
@@ -77,5 +77,6 @@ def test_non_finite_activations_name_the_linear():
     model = tiny_model("llama", vocab=128)
     with torch.no_grad():
         model.model.layers[0].post_attention_layernorm.weight[3] = float("nan")
+    config = GPTQConfig(group_size=32)
     with pytest.raises(ActivationError, match="entering mlp.gate_proj of decoder layer 0"):
-        quantize_layers(model, GPTQConfig(group_size=32), driver_for("gptq"), calibration_tokens(0), lambda *a: None)
+        quantize_layers(model, config, driver_for(config), calibration_tokens(0), lambda *a: None)

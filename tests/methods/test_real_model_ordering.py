@@ -17,8 +17,8 @@ the default 4096, which moved AWQ's perplexity from 27.26 to 27.40).
 """
 
 import pytest
-
 from toolkit.calibration import calibration_batch, eval_windows
+
 from toolkit.engine.loop import quantize_layers
 from toolkit.evaluate.perplexity import perplexity
 from toolkit.methods import driver_for
@@ -48,7 +48,7 @@ def scores():
     for config in CONFIGS.values():
         model.load_state_dict(float_weights)
         calibration = tokens if config.needs_activations else None
-        quantize_layers(model, config, driver_for(config.method), calibration, sink=lambda *a: None)
+        quantize_layers(model, config, driver_for(config), calibration, sink=lambda *a: None)
         scores[config.method] = perplexity(model, windows).perplexity
     print("\nheld-out perplexity, W4 g64 asymmetric:", {k: round(v, 2) for k, v in scores.items()})  # with -s
     return scores

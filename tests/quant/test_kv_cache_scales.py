@@ -6,7 +6,7 @@ from safetensors.torch import load_file
 
 from toolkit.quant import kv_cache as kv
 from toolkit.quant.configs import ConfigError, RTNConfig
-from toolkit.quantize import CalibrationSpec, quantize
+from toolkit.quantize import CalibrationSpec, QuantizeSettings, quantize
 
 CALIBRATION = CalibrationSpec("sharegpt", samples=4, seq_len=48)
 
@@ -34,15 +34,15 @@ def test_observer_keeps_the_running_max_and_passes_the_tensors_through():
 def _hand_computed_kv_absmax(tokenizer, config):
     """Per layer (amax K after RoPE, amax V), recomputed by hand from k_proj / v_proj and the model's RoPE on the
     quantized model's hidden states (the in-memory RTN result the quantize verb produces)."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     from conftest import tiny_model
     from toolkit.calibration import calibration_batch
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
     from toolkit.engine.loop import quantize_layers
     from toolkit.methods import driver_for
 
     model = tiny_model("llama")
-    quantize_layers(model, config, driver_for("rtn"), None, lambda *a: None)
+    quantize_layers(model, config, driver_for(config), None, lambda *a: None)
     tokens = calibration_batch(tokenizer, CALIBRATION.dataset, CALIBRATION.samples, CALIBRATION.seq_len, config.seed)
     B, T = tokens.shape
     with torch.no_grad():
@@ -64,8 +64,8 @@ def test_fp8_scales_are_the_absmax_of_post_rope_keys_and_values(tmp_path, tiny_l
     from toolkit.runtime.load import load_quantized
 
     config = RTNConfig(bits=4, group_size=32)
-    out = quantize(str(tiny_llama_dir), config, tmp_path / "q", CALIBRATION, fmt="gptq", dtype=torch.float32,
-                   kv_cache="fp8").output
+    out = quantize(str(tiny_llama_dir), config, tmp_path / "q", CALIBRATION,
+                   settings=QuantizeSettings(format="gptq", dtype="float32", kv_cache="fp8")).output
     tensors = load_file(out / "model.safetensors")
     expected = _hand_computed_kv_absmax(smol_tokenizer, config)
     for i, (k, v) in enumerate(expected):
@@ -87,8 +87,9 @@ def test_per_head_scales_in_compressed_tensors_declare_the_kv_cache_scheme(tmp_p
     from toolkit.runtime.load import load_quantized
 
     config = RTNConfig(bits=4, group_size=32, sym=False)
-    out = quantize(str(tiny_llama_dir), config, tmp_path / "q", CALIBRATION, fmt="compressed-tensors",
-                   dtype=torch.float16, kv_cache="fp8", kv_cache_strategy="attn_head").output
+    out = quantize(str(tiny_llama_dir), config, tmp_path / "q", CALIBRATION,
+                   settings=QuantizeSettings(format="compressed-tensors", dtype="float16", kv_cache="fp8",
+                                             kv_cache_strategy="attn_head")).output
     tensors = load_file(out / "model.safetensors")
     expected = _hand_computed_kv_absmax(smol_tokenizer, config)
     for i, (k, v) in enumerate(expected):
@@ -113,8 +114,8 @@ def test_int8_scales_feed_the_decode_loop(tmp_path, tiny_llama_dir):
     from toolkit.decode.kv_cache import KVCache
     from toolkit.runtime.load import load_quantized
 
-    out = quantize(str(tiny_llama_dir), RTNConfig(bits=4, group_size=32), tmp_path / "q", CALIBRATION, fmt="awq",
-                   kv_cache="int8").output
+    out = quantize(str(tiny_llama_dir), RTNConfig(bits=4, group_size=32), tmp_path / "q", CALIBRATION,
+                   settings=QuantizeSettings(format="awq", kv_cache="int8")).output
     tensors = load_file(out / "model.safetensors")
     model, _ = load_quantized(out)
     scales = kv.decode_scales(model)  # (layers, 2) = (k_scale, v_scale)
@@ -126,11 +127,13 @@ def test_int8_scales_feed_the_decode_loop(tmp_path, tiny_llama_dir):
 def test_kv_cache_settings_are_refused_before_any_work(tmp_path):
     config = RTNConfig()
     with pytest.raises(ConfigError, match="--kv-cache fp8"):
-        quantize("no-such-model", config, tmp_path / "q", fmt="compressed-tensors", kv_cache="int8")
+        quantize("no-such-model", config, tmp_path / "q",
+                 settings=QuantizeSettings(format="compressed-tensors", kv_cache="int8"))
     with pytest.raises(ConfigError, match="must be one of"):
-        quantize("no-such-model", config, tmp_path / "q", kv_cache="fp16")
+        quantize("no-such-model", config, tmp_path / "q", settings=QuantizeSettings(kv_cache="fp16"))
     with pytest.raises(ConfigError, match="strategy"):
-        quantize("no-such-model", config, tmp_path / "q", kv_cache="fp8", kv_cache_strategy="head")
+        quantize("no-such-model", config, tmp_path / "q",
+                 settings=QuantizeSettings(kv_cache="fp8", kv_cache_strategy="head"))
 
 
 def test_cli_passes_the_kv_cache_options(tmp_path, tiny_llama_dir):

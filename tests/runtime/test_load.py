@@ -1,9 +1,9 @@
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from toolkit.quant.configs import RTNConfig
-from toolkit.quantize import quantize
+from toolkit.quantize import QuantizeSettings, quantize
 from toolkit.runtime.load import CheckpointError, load_quantized
 from toolkit.runtime.quant_linear import QuantLinear
 
@@ -11,7 +11,7 @@ from toolkit.runtime.quant_linear import QuantLinear
 @pytest.mark.parametrize("bits,group_size", [(4, 32), (8, 64), (2, -1), (3, 32)])
 def test_checkpoint_round_trip_gives_the_fake_quantized_model(tmp_path, tiny_llama_dir, bits, group_size):
     config = RTNConfig(bits=bits, group_size=group_size)
-    out = quantize(str(tiny_llama_dir), config, tmp_path / "q", dtype=torch.float32).output
+    out = quantize(str(tiny_llama_dir), config, tmp_path / "q", settings=QuantizeSettings(dtype="float32")).output
     loaded, tokenizer = load_quantized(out, backend="reference")  # exact fp32 decode; other backends: test_quant_linear
     linears = [m for m in loaded.modules() if isinstance(m, QuantLinear)]
     assert len(linears) == 14
@@ -20,7 +20,7 @@ def test_checkpoint_round_trip_gives_the_fake_quantized_model(tmp_path, tiny_lla
     from toolkit.methods import driver_for
 
     reference = tiny_model("llama")
-    quantize_layers(reference, config, driver_for("rtn"), None, lambda *a: None)
+    quantize_layers(reference, config, driver_for(config), None, lambda *a: None)
     tokens = torch.randint(0, 49152, (2, 16))
     with torch.no_grad():
         expected, got = reference(tokens).logits, loaded(tokens).logits
@@ -38,7 +38,8 @@ def symmetric_checkpoints(tmp_path_factory, tiny_llama_dir):
     """The same RTN W4 g32 symmetric weights written as GPTQ, AWQ and compressed-tensors (fp16 scales in all three)."""
     root = tmp_path_factory.mktemp("sym-checkpoints")
     config = RTNConfig(bits=4, group_size=32, sym=True)
-    return {fmt: quantize(str(tiny_llama_dir), config, root / fmt, fmt=fmt, dtype=torch.float16).output
+    return {fmt: quantize(str(tiny_llama_dir), config, root / fmt,
+                          settings=QuantizeSettings(format=fmt, dtype="float16")).output
             for fmt in ("gptq", "awq", "compressed-tensors")}
 
 
@@ -65,8 +66,9 @@ def test_every_format_loads_to_the_same_logits_as_gptq(symmetric_checkpoints):
 
 def test_asymmetric_awq_and_compressed_tensors_agree(tmp_path, tiny_llama_dir):
     config = RTNConfig(bits=4, group_size=64, sym=False)
-    awq_dir = quantize(str(tiny_llama_dir), config, tmp_path / "awq", fmt="awq").output
-    ct_dir = quantize(str(tiny_llama_dir), config, tmp_path / "ct", fmt="compressed-tensors").output
+    awq_dir = quantize(str(tiny_llama_dir), config, tmp_path / "awq", settings=QuantizeSettings(format="awq")).output
+    ct_dir = quantize(str(tiny_llama_dir), config, tmp_path / "ct",
+                      settings=QuantizeSettings(format="compressed-tensors")).output
     got_awq, got_ct = _logits(load_quantized(awq_dir)[0]), _logits(load_quantized(ct_dir)[0])
     assert torch.allclose(got_awq, got_ct, rtol=0, atol=1e-5)
 
@@ -76,12 +78,13 @@ def test_compressed_tensors_w8_channel_bf16_scales(tmp_path, tiny_llama_dir):
     from toolkit.methods import driver_for
 
     config = RTNConfig(bits=8, group_size=-1, sym=False)
-    out = quantize(str(tiny_llama_dir), config, tmp_path / "q", fmt="compressed-tensors", dtype=torch.bfloat16).output
+    out = quantize(str(tiny_llama_dir), config, tmp_path / "q",
+                   settings=QuantizeSettings(format="compressed-tensors", dtype="bfloat16")).output
     loaded, _ = load_quantized(out)
     linear = loaded.get_submodule("model.layers.0.mlp.down_proj")
     assert linear.weight_scale.dtype == torch.bfloat16 and linear.weight_zero_point.dtype == torch.int32
     reference = tiny_model("llama")
-    quantize_layers(reference, config, driver_for("rtn"), None, lambda *a: None)
+    quantize_layers(reference, config, driver_for(config), None, lambda *a: None)
     expected, got = _logits(reference), _logits(loaded)
     assert (expected - got).abs().max() < 2e-2 * expected.abs().max()  # bf16 scales and fp16→bf16 float tensors
 

@@ -15,13 +15,12 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
 from toolkit.kernels import reference as R  # noqa: E402
+
 from toolkit.quant.configs import RTNConfig  # noqa: E402
-from toolkit.quantize import quantize  # noqa: E402
+from toolkit.quantize import QuantizeSettings, quantize  # noqa: E402
 from toolkit.runtime.load import CheckpointError, load_quantized  # noqa: E402
-from toolkit.runtime.quant_linear import (  # noqa: E402
-    CPU_INT4_MAX_ROWS, QuantLinear, SharedInputLinears, set_backend)
+from toolkit.runtime.quant_linear import CPU_INT4_MAX_ROWS, QuantLinear, SharedInputLinears, set_backend  # noqa: E402
 
 FORMATS = {  # format → whether its weights are symmetric (each layout's own zero handling gets exercised)
     "gptq": True,
@@ -46,7 +45,7 @@ needs_interpreter = pytest.mark.skipif(
 def checkpoints(tmp_path_factory, tiny_llama_dir):
     root = tmp_path_factory.mktemp("backends")
     return {name: quantize(str(tiny_llama_dir), RTNConfig(bits=4, group_size=32, sym=sym), root / name,
-                           fmt=name.removesuffix("-sym")).output
+                           settings=QuantizeSettings(format=name.removesuffix("-sym"))).output
             for name, sym in FORMATS.items()}
 
 

@@ -8,15 +8,8 @@ needs and ``transformers`` does not expose simply: a preallocated KV cache (``to
 over a *tree* of candidate tokens (each node attends to the cached prefix and its own ancestors, at position
 ``start + depth``), and cache compaction to the accepted path (SpecInfer, arXiv 2305.09781 §4; Medusa, 2401.10774 §2.3).
 
-Families differ only by data (``_FAMILIES``), and everything else is read from the config:
-
-| model_type | differs from Llama                                                                          |
-|------------|---------------------------------------------------------------------------------------------|
-| llama      | (the reference) RMSNorm ``w · x̂``, SiLU-gated MLP, RoPE over the whole head                |
-| mistral    | a sliding attention window when ``config.sliding_window`` is set                            |
-| qwen2      | q/k/v biases (inside the linears); a window only on ``sliding_attention`` layers            |
-| qwen3      | per-head RMSNorm of q and k before RoPE                                                     |
-| gemma      | RMSNorm ``(1 + w) · x̂``, embeddings × sqrt(hidden_size), gelu-tanh MLP, explicit head_dim |
+Families differ only by data (``toolkit.architectures.FAMILIES``, whose docstring tables how each differs from Llama;
+those with ``decode`` set run here), and everything else is read from the config.
 
 RoPE: the static frequency schemes (default, linear, llama3, yarn) are read from the model's rotary module; schemes
 whose frequencies change with the sequence length (dynamic NTK, longrope) are refused.
@@ -30,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from toolkit.architectures import UnsupportedFamily, family
 from toolkit.decode.kv_cache import KVCache
 from toolkit.decode.lm_head import RescoredHead
 from toolkit.runtime.quant_linear import SharedInputLinears
@@ -39,20 +33,6 @@ class DecodeError(ValueError):
     """A model, cache or input the decoder cannot serve; the message says what to change."""
 
 
-@dataclass(frozen=True)
-class _Family:
-    norm_offset: float = 0.0  # RMSNorm multiplies by (norm_offset + weight), computed in float32 when nonzero (Gemma)
-    embed_scale: bool = False  # embeddings × sqrt(hidden_size) (Gemma)
-    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
-
-
-_FAMILIES = {
-    "llama": _Family(),
-    "mistral": _Family(),
-    "qwen2": _Family(),
-    "qwen3": _Family(qk_norm=True),
-    "gemma": _Family(norm_offset=1.0, embed_scale=True),
-}
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
 
@@ -85,10 +65,11 @@ class Decoder:
                  kv_scales: torch.Tensor | None = None, feature_layers: tuple[int, ...] | None = None,
                  fast_head: bool = False):
         config = model.config
-        if config.model_type not in _FAMILIES:
+        try:
+            self.config, self.family = config, family(config.model_type, "decode")
+        except UnsupportedFamily as err:
             raise DecodeError(f"toolkit.decode does not support model_type {config.model_type!r}; "
-                              f"it decodes {', '.join(sorted(_FAMILIES))}")
-        self.config, self.family = config, _FAMILIES[config.model_type]
+                              f"it decodes {', '.join(err.supported)}") from None
         base = model.model
         self.embed = base.embed_tokens.weight
         self.norm = base.norm.weight

@@ -34,11 +34,12 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from toolkit.quant.finite import all_finite
+from toolkit.architectures import Family
 from toolkit.engine.heap import trim_heap
-from toolkit.models import ArchSpec, arch_spec, decoder_layers, layer_linears
 from toolkit.engine.offload import DiskActivations
+from toolkit.models import arch_spec, decoder_layers, layer_linears
 from toolkit.quant.configs import WeightQuantConfig
+from toolkit.quant.finite import all_finite
 from toolkit.quant.primitives import QuantizedWeight
 
 
@@ -76,7 +77,7 @@ class LayerSession:
     linears: dict[str, nn.Linear]
     groups: list[list[str]] = field(default_factory=list)
     errors: dict[str, float] = field(default_factory=dict)
-    arch: ArchSpec | None = None
+    arch: Family | None = None
     replayable: dict[str, tuple[str, int]] = field(default_factory=dict)
     kept: dict[str, _Kept] = field(default_factory=dict, repr=False)
 

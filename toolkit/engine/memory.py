@@ -10,7 +10,7 @@ Counted from the model's shapes (a meta-device skeleton is enough), float32 as t
 | activations | samples × seq_len × hidden, twice (a layer's inputs and outputs); one batch with offload | same |
 | forward | one batch: 3 MLP-wide tensors, 2 attention-score tensors, and 3 copies of the largest linear | same |
 | replay | GPTQ true-sequential, activations in memory: o_proj's and down_proj's inputs (samples × seq_len × (hidden + the widest input)), kept so attention and the MLP are not recomputed | same |
-| statistics | GPTQ: 3 × K² for the widest input K (the Hessian, then its permuted copy and Cholesky factor, then the factor and its inverse: two at a time, plus allocator slack); AWQ: max_tokens × every input | same |
+| statistics | a Hessian (``needs_hessian``, GPTQ): 3 × K² for the widest input K (the Hessian, then its permuted copy and Cholesky factor, then the factor and its inverse: two at a time, plus allocator slack); a scale search (``searches_scales``, AWQ): max_tokens × every input | same |
 | output | one packed layer, twice (tensors and safetensors' serialized bytes) | the whole packed model, twice |
 
 An estimate, not a measurement: it aims a little high, so that a refusal is never a close call.
@@ -91,9 +91,9 @@ def estimate(
         parts["forward"] = batch * seq_len * per_token * FLOAT + 3 * max(m.weight.numel() for m in linears) * FLOAT
     if samples and not offload and getattr(config, "true_sequential", False):
         parts["replay inputs"] = samples * seq_len * (hidden + max(m.in_features for m in linears)) * FLOAT
-    if config.method in ("gptq", "awq+gptq"):
+    if config.needs_hessian:
         parts["hessians"] = 3 * max(m.in_features for m in linears) ** 2 * FLOAT
-    if config.method in ("awq", "awq+gptq"):
+    if config.searches_scales:
         parts["awq inputs"] = config.max_tokens * sum(m.in_features for m in linears) * FLOAT
     packed_layer = sum(_packed_bytes(m.weight.numel(), config) for m in linears)
     parts["output"] = 2 * packed_layer * (1 if streamed else len(layers))

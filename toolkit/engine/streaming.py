@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from toolkit.engine.heap import bound_heap, trim_heap
-from toolkit.models import ModelError, arch_spec, decoder_layers, empty_model
 from toolkit.engine.shards import ShardIndex, is_safetensors_dir
+from toolkit.models import ModelError, arch_spec, decoder_layers, empty_model
 
 DTYPE = torch.float32  # what load_model computes in; a streamed run must match it bit for bit
 

@@ -40,3 +40,19 @@ def perplexity(
                 on_batch(batch.shape[0])
     mean = total_nll / total_tokens
     return Perplexity(math.exp(mean), mean, total_tokens)
+
+
+def compare_perplexity(model_spec: str, base_spec: str, dataset: str, windows: int, seq_len: int,
+                       on_batch: Callable[[str, int], None] | None = None) -> tuple[Perplexity, Perplexity]:
+    """(model's, base's) perplexity on the same ``windows`` × ``seq_len`` held-out tokens of ``dataset``, each model
+    loaded in float32 in turn (never both at once); ``on_batch(spec, windows_done)`` reports progress."""
+    from toolkit.calibration import eval_windows
+    from toolkit.runtime.load import load_model_or_checkpoint
+
+    scores = []
+    for spec in (model_spec, base_spec):
+        model, tokenizer = load_model_or_checkpoint(spec, torch.float32)
+        tokens = eval_windows(tokenizer, dataset, windows, seq_len)
+        scores.append(perplexity(model, tokens, on_batch=(lambda n, s=spec: on_batch(s, n)) if on_batch else None))
+        del model
+    return scores[0], scores[1]

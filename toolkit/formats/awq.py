@@ -25,15 +25,19 @@ Refused up front: other bit widths (AutoAWQ's ``WQLinear_GEMM`` and vLLM's AWQ G
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from toolkit.formats.packing import pack as pack_codes
 from toolkit.formats.packing import unpack as unpack_codes
+from toolkit.formats.scheme import FormatError, Scheme
 from toolkit.quant.configs import ConfigError, WeightQuantConfig
 from toolkit.quant.primitives import QuantizedWeight, default_g_idx
 
 NAME = "awq"
 SUFFIXES = ("qweight", "qzeros", "scales")
+OPTIONAL_SUFFIXES = ()
 BITS = 4
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds output column 8c + AWQ_ORDER[i]
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # output column 8c + j sits in nibble AWQ_REVERSE_ORDER[j]
@@ -47,7 +51,7 @@ def check_supported(config: WeightQuantConfig) -> None:
     if config.group_size == -1:
         raise ConfigError("AWQ checkpoints need a positive group size (AutoAWQ and older vLLM divide by it); "
                           "use --group-size 128, or --format compressed-tensors for per-channel scales")
-    if getattr(config, "act_order", False) and not getattr(config, "static_groups", True):
+    if config.act_order and not config.static_groups:
         raise ConfigError("AWQ checkpoints have no g_idx, so act-order with dynamic groups cannot be stored; "
                           "keep static groups (the default)")
 
@@ -117,6 +121,16 @@ def quantization_config(config: WeightQuantConfig) -> dict:
         "modules_to_not_convert": skipped or None,
         "lm_head": False,
     }
+
+
+def read_config(quant: dict) -> Scheme:
+    """The numerics of an AWQ ``quantization_config`` (AutoAWQ's ``w_bit`` / ``q_group_size`` spellings too); any
+    ``version`` but GEMM is refused. Always asymmetric on disk: zeros are stored when ``zero_point`` says so."""
+    if str(quant.get("version", "gemm")).lower() != "gemm":
+        raise FormatError(f"AWQ version {quant['version']!r} is not supported; only the GEMM layout is read")
+    return Scheme(sys.modules[__name__], quant.get("bits", quant.get("w_bit")),
+                  quant.get("group_size", quant.get("q_group_size")), sym=False,
+                  zero_point=bool(quant.get("zero_point", False)), desc_act=False, required=SUFFIXES)
 
 
 def _check_bits(bits: int) -> None:

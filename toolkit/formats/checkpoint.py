@@ -52,6 +52,15 @@ def atomic_directory(output: Path, overwrite: bool = False) -> Iterator[Path]:
         raise
 
 
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file beside it, so that a reader sees the old or the new file,
+    never a torn one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def float_state_dict(model: nn.Module, exclude: set[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The model's tensors not replaced by quantized ones, cast to ``dtype``; a tied ``lm_head`` is not repeated."""
     tied = bool(getattr(model.config, "tie_word_embeddings", False))

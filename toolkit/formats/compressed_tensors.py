@@ -25,11 +25,13 @@ group act-order, so act-order is written only with static groups (``actorder: "w
 from __future__ import annotations
 
 import re
+import sys
 
 import torch
 
 from toolkit.formats.packing import pack as pack_codes
 from toolkit.formats.packing import unpack as unpack_codes
+from toolkit.formats.scheme import FormatError, Scheme
 from toolkit.quant.configs import ConfigError, WeightQuantConfig
 from toolkit.quant.primitives import QuantizedWeight, default_g_idx
 
@@ -46,7 +48,7 @@ def check_supported(config: WeightQuantConfig) -> None:
     if config.bits not in SUPPORTED_BITS:
         raise ConfigError(f"pack-quantized stores {' or '.join(map(str, SUPPORTED_BITS))}-bit weights, not "
                           f"{config.bits}; choose --bits 4 or 8")
-    if getattr(config, "act_order", False) and not getattr(config, "static_groups", True) and config.group_size != -1:
+    if config.act_order and not config.static_groups and config.group_size != -1:
         raise ConfigError("act-order with dynamic groups (actorder: group) was removed from compressed-tensors and "
                           "vLLM; keep static groups (the default) or use --group-size -1")
 
@@ -103,7 +105,6 @@ def quantization_config(config: WeightQuantConfig) -> dict:
     later (``scale_dtype``, ``zp_dtype``, the scheme's own ``format``) break older parsers, so only long-standing
     fields are written; everything omitted has the default that describes these tensors.
     """
-    act_order = bool(getattr(config, "act_order", False))
     weights = {
         "num_bits": config.bits,
         "type": "int",
@@ -112,7 +113,7 @@ def quantization_config(config: WeightQuantConfig) -> dict:
         "group_size": None if config.group_size == -1 else config.group_size,
         "dynamic": False,
         # "weight" is the canonical name of static-group act-order in every release ("static" is a later alias).
-        "actorder": "weight" if act_order else None,
+        "actorder": "weight" if config.act_order else None,
         "observer": "mse" if getattr(config, "mse_clip", False) else "minmax",
     }
     return {
@@ -128,6 +129,20 @@ def quantization_config(config: WeightQuantConfig) -> dict:
         "transform_config": {},
         "version": COMPRESSED_TENSORS_VERSION,
     }
+
+
+def read_config(quant: dict) -> Scheme:
+    """The numerics of a compressed-tensors ``quantization_config``: one ``config_groups`` scheme in the
+    ``pack-quantized`` format, or refused. Asymmetric weights must carry ``weight_zero_point``."""
+    groups = list(quant.get("config_groups", {}).values())
+    if quant.get("format") != "pack-quantized" or len(groups) != 1:
+        raise FormatError(f"only single-scheme pack-quantized compressed-tensors checkpoints are read "
+                          f"(format {quant.get('format')!r}, {len(groups)} config groups)")
+    weights = groups[0]["weights"]
+    sym = bool(weights.get("symmetric", True))
+    return Scheme(sys.modules[__name__], weights["num_bits"], weights.get("group_size") or -1, sym, zero_point=not sym,
+                  desc_act=weights.get("actorder") == "group",
+                  required=SUFFIXES + (() if sym else ("weight_zero_point",)))
 
 
 def _integers(tensors: dict[str, torch.Tensor], bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

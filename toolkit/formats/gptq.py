@@ -19,15 +19,19 @@ groups; asymmetric v1 zeros also underflow when a true zero is 0. ``check_suppor
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from toolkit.formats.packing import pack as pack_codes
 from toolkit.formats.packing import unpack as unpack_codes
+from toolkit.formats.scheme import FormatError, Scheme
 from toolkit.quant.configs import ConfigError, WeightQuantConfig
 from toolkit.quant.primitives import QuantizedWeight
 
 NAME = "gptq"
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+OPTIONAL_SUFFIXES = ()
 SUPPORTED_BITS = (2, 3, 4, 8)
 
 
@@ -40,9 +44,10 @@ def check_supported(config: WeightQuantConfig) -> None:
         )
     if config.bits not in SUPPORTED_BITS:
         raise ConfigError(
-            f"the GPTQ format stores {', '.join(map(str, SUPPORTED_BITS))} bits, not {config.bits}; choose --bits 4 or 8"
+            f"the GPTQ format stores {', '.join(map(str, SUPPORTED_BITS))} bits, not {config.bits}; "
+            "choose --bits 4 or 8"
         )
-    if getattr(config, "act_order", False) and not getattr(config, "static_groups", True) and config.group_size != -1:
+    if config.act_order and not config.static_groups and config.group_size != -1:
         raise ConfigError(
             "act-order with dynamic groups (desc_act: true with a group size) is refused by vLLM; "
             "keep static groups (the default) or use --group-size -1"
@@ -93,16 +98,14 @@ def dequantize(tensors: dict[str, torch.Tensor], bits: int) -> torch.Tensor:
 
 def quantization_config(config: WeightQuantConfig) -> dict:
     """The ``quantization_config`` block of ``config.json`` (also written as ``quantize_config.json``)."""
-    act_order = bool(getattr(config, "act_order", False))
-    static_groups = bool(getattr(config, "static_groups", True))
     return {
         "quant_method": "gptq",
         "bits": config.bits,
         "group_size": config.group_size,
         # Static groups keep g_idx trivial, so the checkpoint is served as if not act-ordered.
-        "desc_act": act_order and not static_groups,
+        "desc_act": config.act_order and not config.static_groups,
         "sym": config.sym,
-        "static_groups": act_order and static_groups,
+        "static_groups": config.act_order and config.static_groups,
         "true_sequential": bool(getattr(config, "true_sequential", True)),
         "damp_percent": float(getattr(config, "damp", 0.01)),
         "lm_head": False,
@@ -111,3 +114,17 @@ def quantization_config(config: WeightQuantConfig) -> dict:
         "pack_dtype": "int32",
         "meta": {"quantizer": [f"compound:{config.method}"]},
     }
+
+
+def read_config(quant: dict) -> Scheme:
+    """The numerics of a GPTQ ``quantization_config``; v2 zeros (``checkpoint_format`` other than gptq) are refused.
+
+    Missing keys read as None (bits, group_size) or False (sym, desc_act): vLLM requires them, and the serving preview
+    reports them missing.
+    """
+    if quant.get("checkpoint_format", "gptq") != "gptq":
+        raise FormatError(f"GPTQ checkpoint_format {quant['checkpoint_format']!r} is not supported; "
+                          "only v1 zeros (checkpoint_format 'gptq') are read")
+    sym = bool(quant.get("sym", False))
+    return Scheme(sys.modules[__name__], quant.get("bits"), quant.get("group_size"), sym, zero_point=not sym,
+                  desc_act=bool(quant.get("desc_act", False)), required=SUFFIXES)

@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from toolkit.architectures import UnsupportedFamily, family
 from toolkit.decode.model import apply_rope, rope_frequencies
 
 KINDS = ("eagle", "eagle3")
-SUPPORTED_TARGETS = ("llama", "mistral", "qwen2", "qwen3")  # no embedding scale, RoPE over the whole head
 
 
 @dataclass(frozen=True)
@@ -202,9 +202,11 @@ class EagleHead(nn.Module):
         target's own output layer; ``fc`` and the layer start from PyTorch's default initialisation.
         """
         c = target.config
-        if c.model_type not in SUPPORTED_TARGETS:
+        try:
+            family(c.model_type, "eagle")
+        except UnsupportedFamily as err:
             raise ValueError(f"EAGLE heads for model_type {c.model_type!r} are not supported; supported: "
-                             f"{', '.join(SUPPORTED_TARGETS)}")
+                             f"{', '.join(err.supported)}") from None
         V = target.get_output_embeddings().weight.shape[0]
         vocab = torch.arange(V) if draft_vocab is None else torch.as_tensor(draft_vocab, dtype=torch.long).unique()
         if kind == "eagle3" and aux_layers is None:

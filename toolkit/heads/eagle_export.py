@@ -56,9 +56,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from toolkit.version import __version__
 from toolkit.formats.checkpoint import MANIFEST, WEIGHTS, atomic_directory, sha256_file, verify_manifest
 from toolkit.heads.eagle import EagleConfig, EagleHead
+from toolkit.heads.eagle_draft import TreeShape
+from toolkit.version import __version__
 
 CONFIG = "config.json"
 ARCHITECTURES = {"eagle": ["LlamaForCausalLMEagle", "LlamaForCausalLM"], "eagle3": ["LlamaForCausalLMEagle3"]}
@@ -284,10 +285,12 @@ def _config_from_json(raw: dict, directory: Path) -> EagleConfig:
         rope={key: raw[key] for key in ROPE_KEYS if raw.get(key) is not None})
 
 
-def serving_flags(directory_or_config: Path | str | EagleConfig, draft_path: str, k: int) -> dict[str, str]:
+def serving_flags(directory_or_config: Path | str | EagleConfig, draft_path: str, k: int,
+                  tree: TreeShape | None = None) -> dict[str, str]:
     """How to serve the head as a chain of ``k`` draft tokens (FORMATS.md §13): ``vllm_speculative_config`` (the
     JSON), ``vllm`` (the ``--speculative-config`` flag) and, when SGLang can load the head, ``sglang`` (its flags;
-    ``--speculative-num-draft-tokens`` counts the root, so k + 1)."""
+    ``--speculative-num-draft-tokens`` counts the root, so k + 1); given a ``tree``, also ``sglang_tree``, SGLang's
+    flags for that EAGLE-2 tree."""
     config = directory_or_config if isinstance(directory_or_config, EagleConfig) \
         else _read_config(Path(directory_or_config))
     spec = {"method": config.kind, "model": draft_path, "num_speculative_tokens": k}
@@ -296,7 +299,14 @@ def serving_flags(directory_or_config: Path | str | EagleConfig, draft_path: str
     spec_json = json.dumps(spec)
     flags = {"vllm_speculative_config": spec_json, "vllm": f"--speculative-config '{spec_json}'"}
     if config.kind == "eagle" or len(config.aux_layers) == SGLANG_EAGLE3_AUX:
-        flags["sglang"] = (f"--speculative-algorithm {SGLANG_ALGORITHM[config.kind]} --speculative-draft-model-path "
-                           f"{draft_path} --speculative-num-steps {k} --speculative-eagle-topk 1 "
-                           f"--speculative-num-draft-tokens {k + 1}")
+        flags["sglang"] = _sglang_flags(config, draft_path, TreeShape(k))
+        if tree is not None:
+            flags["sglang_tree"] = _sglang_flags(config, draft_path, tree)
     return flags
+
+
+def _sglang_flags(config: EagleConfig, draft_path: str, shape: TreeShape) -> str:
+    """SGLang's flags for drafting ``shape`` (see ``TreeShape``: the draft-token count includes the root)."""
+    return (f"--speculative-algorithm {SGLANG_ALGORITHM[config.kind]} --speculative-draft-model-path {draft_path} "
+            f"--speculative-num-steps {shape.depth} --speculative-eagle-topk {shape.top_k} "
+            f"--speculative-num-draft-tokens {(shape.total_tokens or shape.depth) + 1}")

@@ -31,10 +31,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from toolkit.quant.finite import all_finite
 from toolkit.formats.checkpoint import atomic_directory
 from toolkit.heads.data import Example
 from toolkit.heads.streamed_target import StreamedTarget
+from toolkit.quant.finite import all_finite
 
 INDEX = "index.json"
 FORMAT = "compound-hidden-states"

@@ -24,6 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def check_medusa_shape(num_heads: int, num_layers: int) -> None:
+    """Refuse fewer than one head or one residual block per head."""
+    if num_heads < 1 or num_layers < 1:
+        raise ValueError(f"Medusa needs num_heads >= 1 and num_layers >= 1, got {num_heads}, {num_layers}")
+
+
 @dataclass(frozen=True)
 class MedusaConfig:
     """Shape of a set of Medusa heads; ``hidden_size`` and ``vocab_size`` are the target's."""
@@ -35,8 +41,7 @@ class MedusaConfig:
     shared_lm_head: bool = False
 
     def __post_init__(self):
-        if self.num_heads < 1 or self.num_layers < 1:
-            raise ValueError(f"Medusa needs num_heads >= 1 and num_layers >= 1, got {self.num_heads}, {self.num_layers}")
+        check_medusa_shape(self.num_heads, self.num_layers)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -33,19 +33,24 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from toolkit.version import __version__
 from toolkit.formats.checkpoint import MANIFEST, WEIGHTS, atomic_directory, sha256_file, verify_manifest
 from toolkit.heads.medusa import MedusaConfig, MedusaHeads
+from toolkit.version import __version__
 
 CONFIG = "config.json"
 WEIGHT_FILES = {"vllm": WEIGHTS, "medusa": "medusa_lm_head.safetensors"}
 LAYOUTS = tuple(WEIGHT_FILES)
 
 
+def check_layout(layout: str) -> None:
+    """Refuse a layout that is not one of ``LAYOUTS``."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown Medusa layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+
+
 def _name_map(config: MedusaConfig, layout: str) -> dict[str, str]:
     """Layout tensor name -> ``MedusaHeads`` state-dict name, for every tensor the layout holds."""
-    if layout not in WEIGHT_FILES:
-        raise ValueError(f"unknown Medusa layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    check_layout(layout)
     K, L = config.num_heads, config.num_layers
     names = {}
     for k in range(K):
@@ -92,7 +97,8 @@ def _config_json(config: MedusaConfig, layout: str, target: str, dtype: torch.dt
     return {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": config.hidden_size,
             "vocab_size": config.vocab_size, "truncated_vocab_size": config.vocab_size,
             "num_heads": config.num_heads, "num_hidden_layers": config.num_layers,
-            "medusa_fc_bias": True, "original_lm_head": config.shared_lm_head, "torch_dtype": dtype_name, "dtype": dtype_name}
+            "medusa_fc_bias": True, "original_lm_head": config.shared_lm_head, "torch_dtype": dtype_name,
+            "dtype": dtype_name}
 
 
 def export_medusa(heads: MedusaHeads, out_dir: Path, *, layout: str = "vllm", target: str,

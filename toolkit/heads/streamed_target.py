@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from toolkit.engine.loop import capture_layer_inputs
-from toolkit.models import ModelError, arch_spec, decoder_layers
 from toolkit.engine.streaming import read_layer, release_layer, stream_model
+from toolkit.models import ModelError, arch_spec, decoder_layers
 
 
 class StreamedTarget:

@@ -1,4 +1,4 @@
-"""The training loop for draft heads: any ``nn.Module`` with a summed token loss (Medusa now, EAGLE later).
+"""The training loop for draft heads: any ``nn.Module`` with a summed token loss (Medusa's and EAGLE's heads).
 
 ``loss_fn(model, batch) -> (loss_sum, count, metrics)`` sums the loss over the ``count`` label tokens of a padded
 batch (``collate``); the loop makes each step's loss the exact mean over every label token of the global batch. It
@@ -19,7 +19,7 @@ Rank 0 alone writes files, evaluates and shows progress. Files under ``out_dir``
                             config.json  the TrainConfig
     train.jsonl   every log_every steps: step, loss (mean over the window's label tokens), lr, tokens, tokens_per_s,
                   metrics (loss_fn's metrics summed over the window, all ranks)
-    eval.jsonl    every eval_every steps and at max_steps: step and eval_fn's metrics
+    eval.jsonl    every eval_every steps and at step ``steps``: step and eval_fn's metrics
     best.pt       {"step", "metrics", "model": state_dict} of the best evaluation by select_metric (maximized)
 
 Checkpoint directories are written whole (temp directory, then rename); the last two are kept. Resuming from the
@@ -48,46 +48,49 @@ from torch import nn
 
 from toolkit.engine import distributed
 from toolkit.formats.checkpoint import atomic_directory
+from toolkit.options import option
 
 LossFn = Callable[[nn.Module, dict], tuple[torch.Tensor, int, dict[str, float]]]
 CHECKPOINTS = "checkpoints"
 KEEP_CHECKPOINTS = 2
+TRAIN_DTYPES = ("fp32", "bf16")
 # TrainConfig fields a resumed run may change: when to log, save and evaluate; how a global batch is split into
-# micro-batches (the same mean, summed in another order); and max_steps, raised to train on (the rest of the cosine
+# micro-batches (the same mean, summed in another order); and steps, raised to train on (the rest of the cosine
 # decay then stretches to the new end). The others change what each step does.
-RESUMABLE_CHANGES = frozenset({"max_steps", "micro_batch_size", "eval_every", "save_every", "log_every"})
+RESUMABLE_CHANGES = frozenset({"steps", "micro_batch_size", "eval_every", "save_every", "log_every"})
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Optimization of a set of heads: AdamW, linear warmup then cosine decay to 0 at ``max_steps``.
+    """Optimization of a set of heads: AdamW, linear warmup then cosine decay to 0 at ``steps``.
 
     batch_size: examples per optimizer step over all ranks and accumulation micro-steps; micro_batch_size: examples
     per forward on one rank (accumulation = batch_size / (micro_batch_size × world size)). grad_clip: max global
-    gradient norm (``float("inf")`` turns clipping off). dtype: "fp32", or "bf16" for autocast (parameters stay fp32).
-    seed: data order and, at a fresh start, the torch and ``random`` streams (seed + rank).
-    select_metric: the eval_fn metric that picks ``best.pt`` (maximized); None keeps no best.
+    gradient norm (``float("inf")`` turns clipping off). train_dtype: "bf16" for autocast (parameters stay fp32), or
+    "fp32". seed: data order and, at a fresh start, the torch and ``random`` streams (seed + rank).
+    select_metric: the eval_fn metric that picks ``best.pt`` (maximized); None keeps no best. The fields made with
+    ``option`` are ``compound train-heads`` flags and recipe keys of the same names.
     """
 
-    lr: float = 1e-3
+    lr: float = option(1e-3, "Peak learning rate (AdamW, warmup then cosine).")
     weight_decay: float = 0.0
-    warmup_steps: int = 20
-    max_steps: int = 1000
-    batch_size: int = 8
-    micro_batch_size: int = 4
+    warmup_steps: int = option(20, "Linear warmup steps.")
+    steps: int = option(600, "Optimizer steps.")
+    batch_size: int = option(8, "Examples per optimizer step (all ranks together).")
+    micro_batch_size: int = option(4, "Examples per forward on one rank (gradient accumulation makes up the rest).")
     grad_clip: float = 1.0
-    dtype: str = "fp32"
-    eval_every: int = 100
-    save_every: int = 100
+    train_dtype: str = option("bf16", "Head training precision: bf16 (autocast) | fp32.", choices=TRAIN_DTYPES)
+    eval_every: int = option(100, "Steps between acceptance evaluations (and checkpoint selection).")
+    save_every: int = option(100, "Steps between resumable checkpoints.")
     log_every: int = 10
-    seed: int = 0
+    seed: int = option(0, "Seed for data order and initialisation.")
     select_metric: str | None = None
 
     def __post_init__(self):
         if not self.lr > 0 or self.weight_decay < 0 or not self.grad_clip > 0:
             raise ValueError(f"need lr > 0, weight_decay >= 0 and grad_clip > 0, got {self.lr}, {self.weight_decay}, "
                              f"{self.grad_clip}")
-        for name in ("max_steps", "batch_size", "micro_batch_size", "eval_every", "save_every", "log_every"):
+        for name in ("steps", "batch_size", "micro_batch_size", "eval_every", "save_every", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup_steps < 0:
@@ -95,8 +98,8 @@ class TrainConfig:
         if self.batch_size % self.micro_batch_size:
             raise ValueError(f"batch_size must be a multiple of micro_batch_size ({self.batch_size} % "
                              f"{self.micro_batch_size} != 0)")
-        if self.dtype not in ("fp32", "bf16"):
-            raise ValueError(f"dtype must be 'fp32' or 'bf16', got {self.dtype!r}")
+        if self.train_dtype not in TRAIN_DTYPES:
+            raise ValueError(f"train_dtype must be {' or '.join(map(repr, TRAIN_DTYPES))}, got {self.train_dtype!r}")
 
 
 @dataclass
@@ -220,13 +223,13 @@ def _run(model, loss_fn, train_data, config, out_dir, eval_fn, count_fn, resume,
     for p in params:
         p.grad = torch.zeros_like(p)
 
-    end = config.max_steps if stop_after is None else min(config.max_steps, stop_after)
+    end = config.steps if stop_after is None else min(config.steps, stop_after)
     micro_steps = config.batch_size // (config.micro_batch_size * world)
     window = _Window()
     warned_empty = False
     with Progress(*Progress.get_default_columns(), TextColumn("{task.fields[info]}"),
                   disable=not (progress and rank == 0)) as bar:
-        task = bar.add_task("training", total=config.max_steps, completed=state["step"], info="")
+        task = bar.add_task("training", total=config.steps, completed=state["step"], info="")
         for step in range(state["step"] + 1, end + 1):
             tick = time.perf_counter()
             indices = global_batch_indices(len(train_data), config.batch_size, step - 1, config.seed)
@@ -234,7 +237,7 @@ def _run(model, loss_fn, train_data, config, out_dir, eval_fn, count_fn, resume,
             micro_batches = [collate([train_data[i] for i in mine[k * config.micro_batch_size:
                                                                   (k + 1) * config.micro_batch_size]])
                              for k in range(micro_steps)]
-            lr = config.lr * lr_factor(step - 1, config.warmup_steps, config.max_steps)
+            lr = config.lr * lr_factor(step - 1, config.warmup_steps, config.steps)
             for group in optimizer.param_groups:  # the schedule is a function of the step, as in nanoGPT
                 group["lr"] = lr
             done = _optimizer_step(model, params, optimizer, loss_fn, count_fn, micro_batches, config, world, device,
@@ -254,7 +257,7 @@ def _run(model, loss_fn, train_data, config, out_dir, eval_fn, count_fn, resume,
                     loss = "-" if record["loss"] is None else f"{record['loss']:.4f}"
                     bar.update(task, info=f"loss {loss} · {record['tokens_per_s']:,.0f} tok/s")
                 window = _Window()
-            if eval_fn is not None and (step % config.eval_every == 0 or step == config.max_steps):
+            if eval_fn is not None and (step % config.eval_every == 0 or step == config.steps):
                 _evaluate_and_select(model, eval_fn, config, out_dir, state, rank, world, device)
             if step % config.save_every == 0 or step == end:
                 rng_states = [_rng_state(device)]
@@ -283,7 +286,7 @@ def _optimizer_step(model, params, optimizer, loss_fn, count_fn, micro_batches, 
     metrics: dict[str, float] = {}
     for batch in micro_batches:
         batch = {key: value.to(device) for key, value in batch.items()}
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.dtype == "bf16"):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.train_dtype == "bf16"):
             loss_sum, batch_count, batch_metrics = loss_fn(model, batch)
         if loss_sum.requires_grad:  # a micro-batch without label tokens has no graph
             (loss_sum / global_count).backward()
@@ -416,9 +419,9 @@ def _load_checkpoint(path: Path, model, optimizer, config: TrainConfig, rank: in
             raise ValueError(f"cannot resume from {path}: {f.name} was {saved.get(f.name)!r} and is now "
                              f"{getattr(config, f.name)!r}, which changes the training; use the saved value or a new "
                              f"out_dir")
-    if config.max_steps < saved["max_steps"]:
-        raise ValueError(f"cannot resume from {path}: max_steps may be raised, not lowered ({saved['max_steps']} → "
-                         f"{config.max_steps})")
+    if config.steps < saved["steps"]:
+        raise ValueError(f"cannot resume from {path}: steps may be raised, not lowered ({saved['steps']} → "
+                         f"{config.steps})")
     model.load_state_dict(torch.load(path / "model.pt", map_location=device, weights_only=True))
     trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
     optimizer.load_state_dict(trainer["optimizer"])

@@ -1,4 +1,4 @@
-"""AWQ layer driver: scale each group of ``ArchSpec.awq_groups`` on its block output, fold, then clip and quantize.
+"""AWQ layer driver: scale each group of ``Family.awq_groups`` on its block output, fold, then clip and quantize.
 
 Steps for one decoder layer (the math is ``toolkit.quant.awq``):
   1. Subsample the calibration sequences to at most ``max_tokens`` tokens (whole sequences, so attention still sees
@@ -25,13 +25,16 @@ import torch
 from torch import nn
 
 from toolkit.engine.loop import LayerInputs, LayerSession
+from toolkit.methods import driver
 from toolkit.quant import awq
+from toolkit.quant.configs import AWQConfig
 from toolkit.quant.primitives import QuantizedWeight
 
 # Linears left unclipped (AutoAWQ ``avoid_clipping``): matched on the last component of their path.
 NO_CLIP = ("q_proj", "k_proj")
 
 
+@driver(AWQConfig, error_measure="relative output error on calibration activations")
 def quantize_layer(session: LayerSession) -> dict[str, QuantizedWeight]:
     """Scale, clip and quantize every linear of the session's layer; report each one's relative output error."""
     cfg = session.config
@@ -82,7 +85,8 @@ def scale_layer(session: LayerSession) -> LayerActivations:
     Returns what every linear reads afterwards (the rescaled activations), for the quantizer that follows."""
     cfg, arch, layer = session.config, session.arch, session.layer
     if arch is None:
-        raise ValueError("AWQ needs the layer's ArchSpec (session.arch); run it through toolkit.engine.loop.quantize_layers")
+        raise ValueError("AWQ needs the layer's Family (session.arch); "
+                         "run it through toolkit.engine.loop.quantize_layers")
     if session.inputs is None:
         raise ValueError("AWQ needs calibration activations; pass calibration tokens to quantize_layers")
     calib = dataclasses.replace(
@@ -104,7 +108,7 @@ def scale_layer(session: LayerSession) -> LayerActivations:
             continue  # e.g. v_proj → o_proj under GQA: v's rows do not line up with o's input columns
         key = reader[names[0]]
         if any(reader[n] != key for n in names):
-            raise ValueError(f"AWQ group {names} does not share one input; fix ArchSpec.awq_groups")
+            raise ValueError(f"AWQ group {names} does not share one input; fix awq_groups in toolkit.architectures")
         if len(names) == 1:
             R = activations.tokens(names[0])
             block = lambda ws, R=R: R @ ws[0].T  # noqa: E731 (K pseudo-tokens; bias cancels in the loss)
@@ -176,7 +180,8 @@ def _block_name(names: tuple[str, ...]) -> str:
     """The module whose output a multi-linear group is judged on: its linears' common parent (self_attn, mlp)."""
     parents = {n.rsplit(".", 1)[0] if "." in n else "" for n in names}
     if len(parents) != 1 or "" in parents:
-        raise ValueError(f"AWQ group {names} has no common parent module to evaluate; fix ArchSpec.awq_groups")
+        raise ValueError(f"AWQ group {names} has no common parent module to evaluate; "
+                         "fix awq_groups in toolkit.architectures")
     return parents.pop()
 
 

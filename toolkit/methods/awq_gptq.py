@@ -20,10 +20,12 @@ tiny salient-channel Llamas, layer-output error 0.12 against 0.09).
 from __future__ import annotations
 
 from toolkit.engine.loop import LayerSession
-from toolkit.methods import awq, gptq
+from toolkit.methods import awq, driver, gptq
+from toolkit.quant.configs import AWQGPTQConfig
 from toolkit.quant.primitives import QuantizedWeight
 
 
+@driver(AWQGPTQConfig, error_measure=gptq.ERROR_MEASURE)
 def quantize_layer(session: LayerSession) -> dict[str, QuantizedWeight]:
     """Fold AWQ's scales into the session's layer, then quantize every linear with GPTQ."""
     awq.scale_layer(session)

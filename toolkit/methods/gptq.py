@@ -18,11 +18,16 @@ import torch
 
 from toolkit.engine.distributed import mean_over_ranks
 from toolkit.engine.loop import ActivationError, LayerSession
+from toolkit.methods import driver
+from toolkit.quant.configs import GPTQConfig
 from toolkit.quant.finite import all_finite
 from toolkit.quant.gptq import HessianAccumulator, HessianFactor, gptq_factored, hessian_factor
 from toolkit.quant.primitives import QuantizedWeight
 
+ERROR_MEASURE = "GPTQ loss (Hessian-weighted squared error)"  # what ``session.errors`` gets, here and in awq_gptq
 
+
+@driver(GPTQConfig, error_measure=ERROR_MEASURE)
 def quantize_layer(session: LayerSession) -> dict[str, QuantizedWeight]:
     """Quantize every linear of the layer with GPTQ; ``session.errors`` gets each one's GPTQ loss."""
     groups = session.groups

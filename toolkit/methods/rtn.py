@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from toolkit.engine.loop import LayerSession
+from toolkit.methods import driver
+from toolkit.quant.configs import RTNConfig
 from toolkit.quant.primitives import QuantizedWeight, quantize_rtn
 
 
+@driver(RTNConfig, error_measure="relative weight error ‖Ŵ − W‖ / ‖W‖")
 def quantize_layer(session: LayerSession) -> dict[str, QuantizedWeight]:
     """Quantize every linear of the layer to the nearest grid point; report the relative weight error."""
     cfg = session.config

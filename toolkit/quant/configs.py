@@ -1,12 +1,20 @@
 """Frozen, self-validating configs for each quantization method, and the registry that maps a method name to one.
 
 A config names the numerics it produces and checks itself on construction, so a bad request fails before any
-calibration runs. ``check_width`` checks it against a real model's linears.
+calibration runs. ``check_width`` checks it against a real model's linears. Each method's class declares once what
+the rest of compound asks of it: its name (``method``), its capabilities (class attributes, documented on
+``WeightQuantConfig``) and its user-settable options (fields made with ``toolkit.options.option``, from which the
+CLI flags and recipe keys are derived). Its layer driver and error measure are registered by its driver module
+(``toolkit.methods``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+from toolkit.options import choices_of, flag_of, help_of, option
 
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
 
@@ -22,26 +30,40 @@ class WeightQuantConfig:
     bits: code width, 2..8. group_size: input columns per scale (-1: per output channel; 32/64/128).
     sym: symmetric grid (zero fixed at 2^(bits-1)). skip: module names or suffixes left in float (lm_head by default).
     act_order / static_groups: the column order the codes were chosen in, which every format must record (only
-    GPTQ-based methods reorder: see ``GPTQConfig``).
+    methods that reorder columns accept act_order: see ``GPTQConfig``).
+
+    Capabilities (class attributes a method overrides): ``needs_activations``, it reads calibration activations;
+    ``needs_hessian``, it accumulates a K×K Hessian per input (GPTQ's statistics, counted by the memory estimate);
+    ``searches_scales``, it runs AWQ's scale search on ``max_tokens`` tokens (kept per input, counted likewise);
+    ``reorders_columns``, it honours act_order; ``data_parallel``, it can split its calibration over torchrun ranks.
     """
 
-    bits: int = 4
-    group_size: int = 128
-    sym: bool = True
-    skip: tuple[str, ...] = ("lm_head",)
-    seed: int = 0
-    act_order: bool = False
-    static_groups: bool = True
+    bits: int = option(4, "Weight bits (2..8; the GPTQ format stores 2, 3, 4 or 8).")
+    group_size: int = option(128, "Input columns per scale: 32, 64, 128, or -1 for per channel.")
+    sym: bool = option(True, "Symmetric grid (default: the method's own).", flag="--sym/--asym")
+    skip: tuple[str, ...] = option(("lm_head",), "Module names (or suffixes) left unquantized; repeatable.")
+    seed: int = option(0, "Seed for calibration sampling and any random choice.")
+    act_order: bool = option(False, "GPTQ: decreasing-Hessian column order, static groups (default on).",
+                             flag="--act-order/--no-act-order")
+    static_groups: bool = option(True, "GPTQ: with act_order and groups, fix the groups in original column order "
+                                       "(vLLM refuses desc_act with groups otherwise).")
     version: int = field(default=1, repr=False)
 
-    method = "base"
-    needs_activations = True
+    method: ClassVar[str] = "base"
+    needs_activations: ClassVar[bool] = True
+    needs_hessian: ClassVar[bool] = False
+    searches_scales: ClassVar[bool] = False
+    reorders_columns: ClassVar[bool] = False
+    data_parallel: ClassVar[bool] = False
 
     def __post_init__(self):
         if not 2 <= self.bits <= 8:
             raise ConfigError(f"bits must be between 2 and 8, got {self.bits}")
         if self.group_size not in SUPPORTED_GROUP_SIZES:
             raise ConfigError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {self.group_size}")
+        if self.act_order and not self.reorders_columns:
+            raise ConfigError(f"act_order is a GPTQ option; method {self.method!r} has none "
+                              f"(use {' or '.join(methods_that('reorders_columns'))})")
 
     def check_width(self, name: str, in_features: int) -> None:
         """Refuse a linear whose input width the group size does not divide."""
@@ -60,12 +82,21 @@ class WeightQuantConfig:
         return {"method": self.method, **out}
 
 
+def _option_of(cls: type, name: str, default: Any = dataclasses.MISSING) -> Any:
+    """``cls``'s option ``name`` declared again (same help, choices and flag), with ``default`` or the same one:
+    for a method whose default differs, or that shares an option with a class it does not derive from."""
+    declared = next(f for f in fields(cls) if f.name == name)
+    default = declared.default if default is dataclasses.MISSING else default
+    return option(default, help_of(declared), choices=choices_of(declared), flag=flag_of(declared))
+
+
 @dataclass(frozen=True)
 class RTNConfig(WeightQuantConfig):
     """Round-to-nearest on per-group min/max: no calibration data needed."""
 
     method = "rtn"
     needs_activations = False
+    data_parallel = True
 
 
 @dataclass(frozen=True)
@@ -76,17 +107,22 @@ class GPTQConfig(WeightQuantConfig):
     block_size: columns per lazy-update block. act_order: process columns by decreasing Hessian diagonal (on by
     default: with static groups it costs nothing at run time, and on SmolLM2-135M W4 g64 it is what lets GPTQ beat
     RTN at all; llm-compressor's default too). static_groups: with act_order and groups, fix the groups in original
-    column order (vLLM refuses desc_act with groups otherwise). mse_clip: search each group's range for the lowest squared error instead of min/max.
+    column order (vLLM refuses desc_act with groups otherwise). mse_clip: search each group's range for the lowest
+    squared error instead of min/max.
     true_sequential: quantize q/k/v, then o, then gate/up, then down, each seeing the already-quantized ones.
     """
 
-    damp: float = 0.01
-    block_size: int = 128
-    act_order: bool = True
-    mse_clip: bool = False
-    true_sequential: bool = True
+    damp: float = option(0.01, "GPTQ: dampening relative to the mean Hessian diagonal.")
+    block_size: int = option(128, "GPTQ: columns per lazy update block.")
+    act_order: bool = _option_of(WeightQuantConfig, "act_order", True)
+    mse_clip: bool = option(False, "GPTQ: search each group's range for the lowest squared error instead of min/max.")
+    true_sequential: bool = option(True, "GPTQ: quantize q/k/v, then o, then gate/up, then down, each seeing the "
+                                         "already-quantized ones.")
 
     method = "gptq"
+    needs_hessian = True
+    reorders_columns = True
+    data_parallel = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -104,12 +140,13 @@ class AWQConfig(WeightQuantConfig):
     clip: search a shrink factor of each group's range. max_tokens: calibration tokens used by the searches.
     """
 
-    sym: bool = False
-    grid: int = 20
-    clip: bool = True
-    max_tokens: int = 4096
+    sym: bool = _option_of(WeightQuantConfig, "sym", False)
+    grid: int = option(20, "AWQ: points of the scaling-exponent search in [0, 1).")
+    clip: bool = option(True, "AWQ: search a shrink factor of each group's range.")
+    max_tokens: int = option(4096, "AWQ: calibration tokens used by the searches.")
 
     method = "awq"
+    searches_scales = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -127,11 +164,13 @@ class AWQGPTQConfig(GPTQConfig):
     symmetric (tests/methods/test_real_model_ordering.py). Asymmetric weights go to --format awq or compressed-tensors.
     """
 
-    sym: bool = False
-    grid: int = 20
-    max_tokens: int = 4096
+    sym: bool = _option_of(AWQConfig, "sym")
+    grid: int = _option_of(AWQConfig, "grid")
+    max_tokens: int = _option_of(AWQConfig, "max_tokens")
 
     method = "awq+gptq"
+    searches_scales = True
+    data_parallel = False  # AWQ's search runs in one process
 
     def __post_init__(self):
         super().__post_init__()
@@ -140,8 +179,14 @@ class AWQGPTQConfig(GPTQConfig):
 
 
 METHODS: dict[str, type[WeightQuantConfig]] = {
-    "rtn": RTNConfig, "gptq": GPTQConfig, "awq": AWQConfig, "awq+gptq": AWQGPTQConfig,
+    cls.method: cls for cls in (RTNConfig, GPTQConfig, AWQConfig, AWQGPTQConfig)
 }
+DEFAULT_METHOD = RTNConfig.method  # what `compound quantize` and a recipe without `method` run
+
+
+def methods_that(capability: str) -> list[str]:
+    """The names of the registered methods whose config declares ``capability`` (``"data_parallel"``, ...)."""
+    return [name for name, cls in METHODS.items() if getattr(cls, capability)]
 
 
 def make_config(method: str, **options) -> WeightQuantConfig:

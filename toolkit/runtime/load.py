@@ -7,35 +7,20 @@ The layout comes from ``config.json["quantization_config"]["quant_method"]``: ``
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from toolkit.formats import awq, compressed_tensors, gptq
+from toolkit.formats import PACKED_SUFFIXES, FormatError, Scheme, read_quantization_config
 from toolkit.formats.checkpoint import MANIFEST
 from toolkit.quant.kv_cache import SCALE_NAMES as KV_SCALE_NAMES
 from toolkit.runtime.quant_linear import QuantLinear, backend_problem
 
-LAYOUTS: dict[str, ModuleType] = {layout.NAME: layout for layout in (gptq, awq, compressed_tensors)}
-_QUANT_SUFFIXES = {s for layout in LAYOUTS.values() for s in layout.SUFFIXES + getattr(layout, "OPTIONAL_SUFFIXES", ())}
-
 
 class CheckpointError(ValueError):
     """A directory that is not a loadable quantized checkpoint."""
-
-
-@dataclass(frozen=True)
-class _Scheme:
-    """What the loader needs from a ``quantization_config``: the layout module and the weight numerics."""
-
-    layout: ModuleType
-    bits: int
-    group_size: int
-    required: tuple[str, ...]  # suffixes every quantized linear must have
 
 
 def load_quantized(directory: Path | str, dtype: torch.dtype = torch.float32,
@@ -57,7 +42,10 @@ def load_quantized(directory: Path | str, dtype: torch.dtype = torch.float32,
     quant = getattr(config, "quantization_config", None)
     if quant is None:
         raise CheckpointError(f"{directory} holds no quantization_config; load it as a float model instead")
-    scheme = _scheme(directory, quant if isinstance(quant, dict) else quant.to_dict())
+    try:
+        scheme = read_quantization_config(quant if isinstance(quant, dict) else quant.to_dict())
+    except FormatError as err:
+        raise CheckpointError(f"{directory}: {err}") from None
     problem = backend_problem(backend, scheme.bits, scheme.group_size)  # widths are checked per linear below
     if problem:
         raise CheckpointError(f"{directory}: {problem}; load it with backend='reference' or 'auto'")
@@ -67,7 +55,7 @@ def load_quantized(directory: Path | str, dtype: torch.dtype = torch.float32,
         state.update(load_file(shard))
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    marker = "." + scheme.layout.SUFFIXES[0]  # qweight / weight_packed: present exactly on quantized linears
+    marker = "." + scheme.format.SUFFIXES[0]  # qweight / weight_packed: present exactly on quantized linears
     for name in sorted(k.removesuffix(marker) for k in state if k.endswith(marker)):
         setattr(model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2],
                 _quant_linear(directory, scheme, name, model.get_submodule(name), state, backend))
@@ -101,48 +89,21 @@ def read_manifest(directory: Path | str) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _scheme(directory: Path, quant: dict) -> _Scheme:
-    """Layout and numerics from a ``quantization_config``, refusing variants whose tensors would decode wrong."""
-    method = quant.get("quant_method")
-    if method not in LAYOUTS:
-        raise CheckpointError(f"{directory}: quant_method {method!r} is not supported; "
-                              f"expected one of {', '.join(LAYOUTS)}")
-    if method == "gptq":
-        if quant.get("checkpoint_format", "gptq") != "gptq":
-            raise CheckpointError(f"{directory}: GPTQ checkpoint_format {quant['checkpoint_format']!r} is not "
-                                  "supported; only v1 zeros (checkpoint_format 'gptq') are read")
-        return _Scheme(gptq, quant["bits"], quant["group_size"], gptq.SUFFIXES)
-    if method == "awq":
-        if str(quant.get("version", "gemm")).lower() != "gemm":
-            raise CheckpointError(f"{directory}: AWQ version {quant['version']!r} is not supported; "
-                                  "only the GEMM layout is read")
-        bits = quant.get("bits", quant.get("w_bit"))
-        group_size = quant.get("group_size", quant.get("q_group_size"))
-        return _Scheme(awq, bits, group_size, awq.SUFFIXES)
-    groups = list(quant.get("config_groups", {}).values())
-    if quant.get("format") != "pack-quantized" or len(groups) != 1:
-        raise CheckpointError(f"{directory}: only single-scheme pack-quantized compressed-tensors checkpoints are read "
-                              f"(format {quant.get('format')!r}, {len(groups)} config groups)")
-    weights = groups[0]["weights"]
-    required = compressed_tensors.SUFFIXES + (() if weights.get("symmetric", True) else ("weight_zero_point",))
-    return _Scheme(compressed_tensors, weights["num_bits"], weights.get("group_size") or -1, required)
-
-
-def _quant_linear(directory: Path, scheme: _Scheme, name: str, linear: nn.Module, state: dict,
+def _quant_linear(directory: Path, scheme: Scheme, name: str, linear: nn.Module, state: dict,
                   backend: str) -> QuantLinear:
     """A ``QuantLinear`` with empty (meta) buffers shaped like ``name``'s tensors in ``state``, for loading into."""
-    suffixes = scheme.layout.SUFFIXES + getattr(scheme.layout, "OPTIONAL_SUFFIXES", ())
+    suffixes = scheme.format.SUFFIXES + scheme.format.OPTIONAL_SUFFIXES
     packed = {s: torch.empty_like(state[f"{name}.{s}"], device="meta") for s in suffixes if f"{name}.{s}" in state}
     absent = [s for s in scheme.required if s not in packed]
     if absent:
-        raise CheckpointError(f"{directory}: {name} has {scheme.layout.SUFFIXES[0]} but no {', '.join(absent)}")
+        raise CheckpointError(f"{directory}: {name} has {scheme.format.SUFFIXES[0]} but no {', '.join(absent)}")
     bias = None if linear.bias is None else torch.empty(linear.out_features, device="meta")
     try:
-        return QuantLinear(scheme.layout, linear.in_features, linear.out_features, scheme.bits, scheme.group_size,
+        return QuantLinear(scheme.format, linear.in_features, linear.out_features, scheme.bits, scheme.group_size,
                            packed, bias, backend)
     except ValueError as err:  # an explicit backend this linear's width rules out (per-channel cpu-int4)
         raise CheckpointError(f"{directory}: {name}: {err}") from None
 
 
 def _is_quant_buffer(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in _QUANT_SUFFIXES
+    return name.rsplit(".", 1)[-1] in PACKED_SUFFIXES

@@ -1,0 +1,56 @@
+"""The options of ``compound train-heads``: each user-settable field carries its help, names are unique across the
+option classes (they are the flags and recipe keys), and each class refuses its own bad values with the message that
+names the flag."""
+
+from pathlib import Path
+
+import pytest
+
+from toolkit.heads.eagle_draft import TreeShape
+from toolkit.heads.options import DataOptions, EagleOptions, MedusaOptions, SelectOptions
+from toolkit.heads.train import TrainConfig
+from toolkit.options import choices_of, help_of, option_fields
+from toolkit.train_heads import HeadsJob
+
+CLASSES = (HeadsJob, MedusaOptions, EagleOptions, DataOptions, TrainConfig, SelectOptions)
+
+
+def test_every_option_has_help_and_a_unique_name():
+    names = [f.name for cls in CLASSES for f in option_fields(cls)]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    assert all(help_of(f) for cls in CLASSES for f in option_fields(cls))
+    assert {"steps", "train_dtype", "dtype", "select_mode", "layout", "num_heads", "aux_layers"} <= set(names)
+    assert {"weight_decay", "grad_clip", "log_every", "select_metric", "distill_prompt_tokens"}.isdisjoint(names)
+    fields = {f.name: f for cls in CLASSES for f in option_fields(cls)}
+    assert choices_of(fields["head"]) == ("medusa", "eagle", "eagle3")
+    assert choices_of(fields["layout"]) == ("vllm", "medusa") and choices_of(fields["train_dtype"]) == ("fp32", "bf16")
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: MedusaOptions(num_heads=0), "Medusa needs num_heads >= 1 and num_layers >= 1, got 0, 1"),
+    (lambda: MedusaOptions(layout="hf"), "unknown Medusa layout 'hf'; choose one of vllm, medusa"),
+    (lambda: EagleOptions(top_k=0), "--draft-vocab, --ttt-steps, --depth, --top-k and --draft-tokens must be >= 1"),
+    (lambda: DataOptions(samples=0), "need --samples >= 1 and --max-len >= 8, got 0 and 1024"),
+    (lambda: DataOptions(dtype="int8"), "--dtype must be bfloat16, float16 or float32, got 'int8'"),
+    (lambda: DataOptions(batch_tokens=0), "--batch-tokens must be >= 1"),
+    (lambda: DataOptions(stream_target=True), "--stream-target runs the target one layer at a time"),
+    (lambda: SelectOptions(select_mode="beam"), "--select-mode must be one of tree, chain, got 'beam'"),
+    (lambda: TrainConfig(train_dtype="fp16"), "train_dtype must be 'fp32' or 'bf16', got 'fp16'"),
+    (lambda: TrainConfig(steps=0), "steps must be >= 1, got 0"),
+    (lambda: HeadsJob(model="m", output=Path("o"), head="hydra"), "--head 'hydra' is not supported"),
+])
+def test_each_class_refuses_its_own_values(make, message):
+    with pytest.raises(ValueError) as err:
+        make()
+    assert str(err.value).startswith(message)
+
+
+def test_job_reads_its_parts():
+    eagle = EagleOptions(aux_layers=(2, 5), draft_vocab=300, ttt_steps=2, depth=3, top_k=2, draft_tokens=4)
+    job = HeadsJob(model="m", output=Path("out/h"), head="eagle3", eagle=eagle)
+    assert job.work == Path("out/h.work") and job.train_dir == Path("out/h.work/train-eagle3-l2-5-v300-s2")
+    assert job.hidden_layers(8) == [2, 5, -1] and job.tree == TreeShape(3, 2, 4)
+    assert HeadsJob(model="m", output=Path("o"), head="eagle", eagle=eagle,
+                    select=SelectOptions(select_mode="chain")).tree == TreeShape(3)
+    medusa = HeadsJob(model="m", output=Path("o"), medusa=MedusaOptions(num_heads=2, shared_lm_head=True))
+    assert medusa.train_dir.name == "train-medusa-k2-l1-shared" and medusa.hidden_layers(8) == [-1]

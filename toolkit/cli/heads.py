@@ -1,0 +1,67 @@
+"""``compound train-heads``: options derived from the job's option dataclasses, results and serving flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from toolkit.cli import flags
+from toolkit.cli.common import app, console, fail, user_errors
+from toolkit.train_heads import HeadsJob
+
+
+@app.command("train-heads")
+@flags.derived(HeadsJob, *HeadsJob.parts().values())
+def train_heads(
+    model: str = typer.Option("smollm2-135m", help="Target: alias, local directory, .gguf, Hub id, or a compound checkpoint (train against the model you serve)."),
+    output: Path = typer.Option(..., "--output", "-o", help="Head directory to create."),
+    work_dir: Optional[Path] = typer.Option(None, help="Where data, hidden states and training checkpoints go (default: OUTPUT.work); rerun to resume."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
+    dry_run: bool = typer.Option(False, help="Show one rendered example with its trained tokens highlighted, then stop."),
+    **options,
+):
+    """Train draft heads on the target's own hidden states and export them for vLLM (runs under torchrun too)."""
+    from toolkit.train_heads import train_heads as run_train_heads
+
+    try:
+        parts = {name: flags.build(cls, options) for name, cls in HeadsJob.parts().items()}
+        job = HeadsJob(model=model, output=output, head=options["head"], **parts, work_dir=work_dir,
+                       overwrite=overwrite)
+        result = run_train_heads(job, console, dry_run=dry_run)
+    except (*user_errors(), ValueError) as err:
+        fail(err)
+    if result.output is None:
+        return
+    shape = f"{job.medusa.num_heads} medusa heads" if job.head == "medusa" else f"an {job.head} head"
+    table = Table(title=f"compound train-heads: {shape} for {model}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_row("output", str(result.output))
+    table.add_row("examples / tokens / trained tokens", f"{result.examples} / {result.tokens:,} / {result.trained_tokens:,}")
+    table.add_row("best step", str(result.best_step))
+    for key, value in result.best_metrics.items():
+        table.add_row(key, f"{value:.3f}")
+    for key, value in result.seconds.items():
+        table.add_row(f"seconds, {key.replace('_', ' ')}", f"{value:.0f}")
+    Console().print(table)
+    if job.head != "medusa":
+        _print_eagle_serving(result.output, job.eagle.tree)
+
+
+def _print_eagle_serving(output: Path, tree) -> None:
+    """The flags that serve an exported EAGLE head: vLLM's chain of the tree's depth, SGLang's chain and ``tree``."""
+    from toolkit.heads.eagle_export import serving_flags
+
+    flags = serving_flags(output, str(output), tree.depth, tree)
+    out = Console()
+    out.print(f"serve it with vLLM (chain of {tree.depth}):")
+    out.print(f"  vllm serve TARGET {flags['vllm']}", soft_wrap=True, markup=False, highlight=False)
+    if "sglang" in flags:
+        out.print("with SGLang (chain, then the EAGLE-2 tree it was selected with):")
+        for line in (flags["sglang"], flags["sglang_tree"]):
+            out.print(f"  python -m sglang.launch_server --model-path TARGET {line}", soft_wrap=True, markup=False,
+                      highlight=False)

@@ -1,0 +1,125 @@
+"""``compound quantize``, ``convert`` and ``decode``: checkpoints made, re-packed and run."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from toolkit.cli import flags
+from toolkit.cli.common import RichProgress, app, console, dir_size, fail, progress_bar, user_errors
+from toolkit.quant.configs import DEFAULT_METHOD, METHODS
+from toolkit.quantize import CalibrationSpec, QuantizeSettings
+
+MethodName = flags.choice(METHODS)
+
+
+@app.command()
+@flags.derived(QuantizeSettings, CalibrationSpec, methods=METHODS.values())
+def quantize(
+    model: str = typer.Option("smollm2-135m", help="Model: alias (smollm2-135m), local directory, .gguf file or Hub id."),
+    output: Path = typer.Option(..., "--output", "-o", help="Checkpoint directory to create."),
+    method: MethodName = typer.Option(DEFAULT_METHOD, help="Quantization method (awq+gptq: AWQ's scaling, then GPTQ's rounding)."),
+    evaluate: bool = typer.Option(False, "--eval", help="Also report held-out perplexity of the result and of the float model."),
+    eval_windows: int = typer.Option(80, help="Held-out windows of --seq-len tokens for --eval."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
+    **options,
+):
+    """Quantize a causal LM layer by layer and write a deployable checkpoint."""
+    from toolkit.evaluate.perplexity import compare_perplexity
+    from toolkit.quant.configs import make_config
+    from toolkit.quantize import quantize as run_quantize
+
+    try:
+        config = make_config(method, **flags.method_options(METHODS.values(), options))
+        calibration = flags.build(CalibrationSpec, options)
+        rank = int(os.environ.get("RANK", "0"))  # under torchrun rank 0 reports, the others run quietly
+        with progress_bar(disable=rank > 0) as bar:
+            result = run_quantize(model, config, output, calibration, flags.build(QuantizeSettings, options),
+                                  overwrite=overwrite, progress=RichProgress(bar) if rank == 0 else None)
+        if rank > 0:
+            return
+        table = Table(title=f"compound quantize: {method} W{config.bits} g{config.group_size}")
+        table.add_column("measure")
+        table.add_column("value", justify="right")
+        table.add_row("output", str(result.output))
+        table.add_row("wall time", f"{result.seconds:.1f} s")
+        table.add_row("peak memory (RSS)", f"{result.peak_rss_mb:.0f} MiB")
+        table.add_row("memory estimate", f"{result.memory.total / 2**20:.0f} MiB")
+        table.add_row("size on disk", f"{dir_size(result.output) / 2**20:.1f} MiB")
+        if evaluate:
+            with progress_bar() as bar:
+                tasks = {}
+
+                def advance(spec, n):
+                    if spec not in tasks:
+                        tasks[spec] = bar.add_task(f"perplexity of {spec}", total=eval_windows)
+                    bar.advance(tasks[spec], n)
+
+                quantized, base = compare_perplexity(str(result.output), model, calibration.dataset, eval_windows,
+                                                     calibration.seq_len, on_batch=advance)
+            table.add_row("perplexity, float model", f"{base.perplexity:.3f}")
+            table.add_row("perplexity, quantized", f"{quantized.perplexity:.3f} (+{quantized.perplexity - base.perplexity:.3f})")
+            table.add_row("held-out tokens scored", str(quantized.tokens))
+        Console().print(table)
+    except user_errors() as err:
+        fail(err)
+
+
+@app.command()
+def convert(
+    model: Path = typer.Option(..., help="A compound checkpoint directory."),
+    fmt: str = typer.Option(..., "--format", help="Target layout: gptq | awq | compressed-tensors."),
+    output: Path = typer.Option(..., "--output", "-o", help="Checkpoint directory to create."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
+):
+    """Re-pack a checkpoint into another layout, bit-exact, without re-quantizing (refused where the math differs)."""
+    from toolkit.convert import convert as run_convert
+
+    try:
+        out = run_convert(model, fmt, output, overwrite=overwrite)
+    except user_errors() as err:
+        fail(err)
+    console.print(f"wrote {fmt} checkpoint {out} ({dir_size(out) / 2**20:.1f} MiB)")
+
+
+@app.command()
+def decode(
+    model: str = typer.Option(..., help="A compound checkpoint directory (runs its packed weights), or any model spec (float)."),
+    prompt: str = typer.Option(..., help="The user message; rendered with the model's chat template."),
+    max_new_tokens: int = typer.Option(64, help="Tokens to generate at most (stops early at end-of-sequence)."),
+    temperature: float = typer.Option(0.0, help="0: greedy; above 0: sample at this temperature."),
+    kv_cache: str = typer.Option("float", help="KV cache: float (the model dtype) | int8 (per token and head scales)."),
+    seed: int = typer.Option(0, help="Sampling seed."),
+):
+    """Generate a reply with compound's decode loop (static KV cache) and print its statistics."""
+    import torch
+
+    from toolkit.calibration import chat_prompt_ids
+    from toolkit.decode import DecodeError, Decoder, SamplingConfig, generate
+    from toolkit.runtime.load import load_model_or_checkpoint
+
+    if kv_cache not in ("float", "int8"):
+        fail(ValueError(f"--kv-cache must be float or int8, got {kv_cache!r}"))
+    try:
+        sampling = SamplingConfig(temperature, seed=seed) if temperature > 0 else None
+        loaded, tokenizer = load_model_or_checkpoint(model, torch.float32)
+        ids = chat_prompt_ids(tokenizer, prompt)
+        decoder = Decoder.from_model(loaded, len(ids) + max_new_tokens, torch.int8 if kv_cache == "int8" else None,
+                                     fast_head=sampling is None)  # greedy: the argmax is all it reads
+        out, stats = generate(decoder, ids, max_new_tokens, sampling, eos_token_id=tokenizer.eos_token_id)
+    except (*user_errors(), DecodeError, ValueError) as err:
+        fail(err)
+    Console().print(tokenizer.decode(out[len(ids):], skip_special_tokens=True), markup=False, highlight=False)
+    table = Table(title=f"compound decode: {'greedy' if sampling is None else f'T={temperature}'}, KV cache {kv_cache}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_row("prompt tokens", str(len(ids)))
+    table.add_row("new tokens", str(stats.new_tokens))
+    table.add_row("forward passes", str(stats.target_forwards))
+    table.add_row("wall time (prefill + decode)", f"{stats.total_s:.2f} s")
+    table.add_row("tokens/s", f"{stats.tokens_per_s:.1f}")
+    Console().print(table)
