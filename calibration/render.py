@@ -161,7 +161,12 @@ def _check_positive(**values: int | None) -> None:
 
 
 def _too_few(source: str, split: str, got: int, n: int, seq_len: int, option: str) -> CalibrationError:
-    return CalibrationError(
-        f"dataset {source} gives only {got} tokens in its {split} split; "
-        f"need {option.lstrip('-')}×seq_len = {n}×{seq_len} = {n * seq_len}; lower {option} or --seq-len"
-    )
+    """The refusal of a split too small for ``option`` sequences of ``seq_len`` tokens, naming what can help: fewer
+    sequences when it fills some, a larger --dataset when it fills none."""
+    need = (f"dataset {source} gives only {got} tokens in its {split} split; "
+            f"need {option.lstrip('-')}×seq_len = {n}×{seq_len} = {n * seq_len}")
+    if got >= seq_len:
+        return CalibrationError(f"{need}; lower {option} to {got // seq_len} (or lower --seq-len), or pass a larger "
+                                "--dataset")
+    return CalibrationError(f"{need}, not one {seq_len}-token sequence: pass a larger --dataset (lowering {option} "
+                            f"or --seq-len leaves too little {split} data)")

@@ -206,6 +206,10 @@ def _read_txt(path: Path) -> Iterator[str]:
 def _read_hub(source: str) -> Iterator[Any]:
     import datasets  # heavy; only Hub sources need it
 
+    from toolkit.models import hub_unreachable
+
+    if problem := hub_unreachable():  # streamed datasets are not cached: nothing to read without the Hub
+        raise CalibrationError(f"could not load dataset {source}: {problem}; pass a local file as --dataset")
     name, _, config = source.partition(":")
     try:
         # Streaming, so taking the first few thousand records does not download the whole dataset.
@@ -219,12 +223,12 @@ def _normalized(raw: Iterable[Any], source: str, text_field: str) -> Iterator[Re
     count = 0
     for index, item in enumerate(raw):
         count += 1
-        yield _normalize(item, index, text_field)
+        yield _normalize(item, index, text_field, source)
     if count == 0:
         raise CalibrationError(f"dataset {source} is empty; it has no records")
 
 
-def _normalize(item: Any, index: int, text_field: str) -> Record:
+def _normalize(item: Any, index: int, text_field: str, source: str) -> Record:
     if isinstance(item, str):
         return Record(id=_content_id(item), text=item)
     if not isinstance(item, dict):
@@ -238,8 +242,9 @@ def _normalize(item: Any, index: int, text_field: str) -> Record:
             return Record(id=record_id or _content_id(messages), messages=messages)
     if text_field not in item:
         raise CalibrationError(
-            f"record {index} has no {text_field!r} field (nor {' or '.join(map(repr, _CONVERSATION_FIELDS))}); "
-            f"its fields are {sorted(item)}; pass text_field= one of them"
+            f"{source}: record {index} has no {text_field!r} field (nor "
+            f"{' or '.join(map(repr, _CONVERSATION_FIELDS))}); its fields are {sorted(item)}; pass --text-field one of "
+            "them"
         )
     text = item[text_field]
     if not isinstance(text, str):

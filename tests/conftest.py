@@ -4,6 +4,7 @@ clients run offline, set before anything imports huggingface_hub, transformers o
 default of one thread per core would oversubscribe the cores, and OpenMP then stalls for milliseconds per op."""
 
 import os
+import re
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported; inherited by the CLI and vLLM subprocesses
@@ -86,3 +87,19 @@ def spec_target(tmp_path_factory, one_thread):
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                              tokenize=True, return_dict=False) for text in SPEC_PROMPTS]
     return model, directory, sha256_file(directory / "model.safetensors"), prompts
+
+
+def refused(result, *needles: str, usage: bool = False) -> str:
+    """Assert a clean refusal of a CLI run and return its message unwrapped: exit 2, no traceback, compound's one
+    ``error:`` line (``usage``: typer's usage error, drawn in a box, instead), and every needle in the message.
+    Rich wraps long lines (mid-word, inside paths too), so needles are compared with all whitespace removed."""
+    text = " ".join(re.sub("[│╭╮╰╯─]", " ", result.output).split())
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert "Traceback" not in result.output, result.output
+    if not usage:
+        assert text.count("error:") == 1, result.output
+    squeezed = "".join(text.split())
+    for needle in needles:
+        assert "".join(needle.split()) in squeezed, (needle, result.output)
+    return text

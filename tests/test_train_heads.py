@@ -116,7 +116,8 @@ def test_same_command_under_torchrun(tiny_llama_dir, tmp_path):
     ranked = HiddenStateDataset(tmp_path / "heads.work" / "hidden")
     assert {name.split("-")[1] for name in ranked.index["shards"]} == {"r000", "r001"}
     (tmp_path / "one.work").mkdir()  # the same examples (the distilled answers), cached by one process
-    (tmp_path / "one.work" / "distill.jsonl").write_text((tmp_path / "heads.work" / "distill.jsonl").read_text())
+    for piece in ("distill.jsonl", "made-for.json"):  # the answers, and the record of the target they are of
+        (tmp_path / "one.work" / piece).write_text((tmp_path / "heads.work" / piece).read_text())
     _, one, _ = prepare(_job(tiny_llama_dir, tmp_path / "one", batch_tokens=96), Console(quiet=True))
     assert [e["id"] for e in one.examples] == [e["id"] for e in ranked.examples]
     for got, want in zip(ranked, one):

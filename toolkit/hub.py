@@ -7,6 +7,11 @@ head (``"format": "eagle"``).
 acceptance was measured), as a single ``create_commit``: the Hub moves the branch only when every file is stored, so
 a failure leaves the repo as it was, and rerunning the push retries (LFS objects already stored are not re-sent).
 
+Nothing local is published: the files compound writes with names in them (``NAMING_FILES``) go up with every local
+path cut to its last component (``/home/me/models/llama`` → ``llama``; the manifest then hashes the bytes uploaded),
+and so do the card's results (a recipe's ``compound run /home/me/r.yaml`` → ``compound run r.yaml``); the files on
+disk are not changed.
+
 The ``HfApi`` is passed in; its token (``HfApi(token=...)``, ``HF_TOKEN`` or ``hf auth login``) is the only one
 used, and it is never printed or written.
 
@@ -26,6 +31,7 @@ Any other key is shown in a table of its numbers and strings.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import struct
@@ -46,6 +52,12 @@ WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.inde
 # Hub ids of the model aliases in toolkit.models.EMBEDDED (the GGUF's source model).
 ALIAS_BASE_MODELS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 RESULT_KEYS = ("divergence", "eval", "acceptance", "heads_eval", "gates", "command")
+# Files of an artifact in which compound writes names (the model, dataset, target, conversion source; a
+# FasterDecoding-layout Medusa config names its target): push uploads them with local paths cut. The other files come
+# from transformers (tokenizer, generation config), which writes no path into them.
+NAMING_FILES = (MANIFEST, "config.json")
+# A word of free text that may be a path: what lies between spaces, quotes and brackets.
+_WORD = re.compile(r"[^\s'\"`|,;()\[\]{}<>=]+")
 
 
 class HubError(RuntimeError):
@@ -67,9 +79,10 @@ def push(api, directory: Path | str, repo_id: str, *, private: bool = False, rev
     """Upload the artifact in ``directory`` with its model card to ``repo_id`` (``namespace/name``) as one commit.
 
     Steps: 1. check the repo id and the artifact's hashes (no request yet); 2. check the client has a token
-    (``whoami``); 3. write the card; 4. create the repo (an existing one is kept) and the branch ``revision``
-    (created from main when missing); 5. one commit: every file of the manifest, the manifest, the card (and the
-    plot), deleting weight files left there by an earlier push that this artifact lacks.
+    (``whoami``); 3. write the card, and the files that name local paths without them (``published``); 4. create
+    the repo (an existing one is kept) and the branch ``revision`` (created from main when missing); 5. one commit:
+    every file of the manifest, the manifest, the card (and the plot), deleting weight files left there by an earlier
+    push that this artifact lacks.
 
     private: create the repo private (otherwise the namespace's default; an existing repo keeps its visibility).
     revision: the branch to commit to (default main). tags: extra card tags. results: measured numbers for the card
@@ -101,6 +114,7 @@ def push(api, directory: Path | str, repo_id: str, *, private: bool = False, rev
     if (account.get("auth", {}).get("accessToken") or {}).get("role") == "read":
         raise HubError("the token is read-only: create one with write access and set HF_TOKEN to it")
     card = model_card(directory, results, repo_id=repo_id, tags=tags)  # 3
+    _, public = published(directory)  # what goes up instead of the files that name local paths
     plot = _acceptance_png(_acceptance(results))
     try:  # 4
         repo = api.create_repo(repo_id, private=private or None, exist_ok=True)  # None: the namespace's default
@@ -110,7 +124,8 @@ def push(api, directory: Path | str, repo_id: str, *, private: bool = False, rev
     except Exception as err:  # HTTP refusals and the HTTP library's network errors alike
         raise HubError(f"could not create or read {repo_id} on the Hub ({_status(err)}): {err}; nothing was "
                        "uploaded") from err
-    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(directory / name)) for name in files]
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=public.get(name, str(directory / name)))
+                  for name in files]
     operations.append(CommitOperationAdd(path_in_repo=CARD, path_or_fileobj=card.encode()))
     if plot is not None:
         operations.append(CommitOperationAdd(path_in_repo=PLOT, path_or_fileobj=plot))
@@ -149,14 +164,15 @@ def artifact_files(directory: Path) -> list[str]:
 def model_card(directory: Path | str, results: dict | None = None, *, repo_id: str | None = None,
                tags: tuple[str, ...] | list[str] = ()) -> str:
     """``README.md`` for the artifact in ``directory``: YAML front matter the Hub reads (base model, tags, library,
-    pipeline), what it is, how to serve it (with ``repo_id``, else the directory name) and tables of ``results``."""
+    pipeline), what it is, how to serve it (with ``repo_id``, else the directory name) and tables of ``results``
+    (local paths in them cut to their last component)."""
     directory = Path(directory)
-    manifest = json.loads((directory / MANIFEST).read_text())
-    config = json.loads((directory / "config.json").read_text()) if (directory / "config.json").is_file() else {}
     kind, is_heads = _describe(directory)
+    source = json.loads((directory / MANIFEST).read_text()).get("target" if is_heads else "model")
+    base = _base_model(source) if source else None  # the model itself, not its published name, tells its base
+    manifest, results = published(directory)[0], _public(results)  # what the card shows names no local path
+    config = json.loads((directory / "config.json").read_text()) if (directory / "config.json").is_file() else {}
     name = repo_id or directory.name
-    source = manifest.get("target" if is_heads else "model")
-    base = _base_model(source) if source else None
     meta: dict = {}
     if base:
         meta["base_model"] = base
@@ -180,6 +196,44 @@ def model_card(directory: Path | str, results: dict | None = None, *, repo_id: s
               "| file | SHA-256 |", "|---|---|"]
     lines += [f"| `{file}` | `{digest}` |" for file, digest in manifest.get("files", {}).items()]
     return "\n".join(lines) + "\n"
+
+
+def published(directory: Path | str) -> tuple[dict, dict[str, bytes]]:
+    """(the manifest as pushed, {file name: bytes uploaded instead of the file on disk}): each of ``NAMING_FILES``
+    that names a local path, rewritten with the path cut to its last component, the manifest hashing the rewritten
+    bytes. The files on disk are left as they are."""
+    directory = Path(directory)
+    manifest = json.loads((directory / MANIFEST).read_text())
+    files = manifest.get("files", {})
+    rewritten = {}
+    for name in NAMING_FILES[1:]:
+        raw = json.loads((directory / name).read_text()) if name in files else None
+        if (scrubbed := _public(raw)) != raw:
+            rewritten[name] = (json.dumps(scrubbed, indent=2) + "\n").encode()
+    hashes = {name: hashlib.sha256(data).hexdigest() for name, data in rewritten.items()}
+    public = {**_public(manifest), "files": {**files, **hashes}}
+    if public != manifest:
+        rewritten[MANIFEST] = (json.dumps(public, indent=2) + "\n").encode()
+    return public, rewritten
+
+
+def _public(value):
+    """``value`` (parsed JSON) with every local path in it, whole or inside text, cut to its last component."""
+    if isinstance(value, dict):
+        return {key: _public(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_public(item) for item in value]
+    if isinstance(value, str):
+        return _display(value) if _is_local_path(value) else _WORD.sub(lambda word: _display(word.group()), value)
+    return value
+
+
+def _is_local_path(text: str) -> bool:
+    """Whether ``text`` names a place on this machine (absolute, home- or dot-relative, or an existing relative
+    path) by more than its last component."""
+    path = Path(text)
+    anchored = text.startswith(("/", "~/", "./", "../")) or ("/" in text and path.exists())
+    return anchored and path.name not in ("", text)
 
 
 def _describe(directory: Path) -> tuple[str, bool]:
@@ -408,7 +462,7 @@ def _link(base: str | None, source) -> str:
 def _display(spec) -> str:
     """A model spec as the card shows it: local paths by their last component only (no directory layout leaks)."""
     text = str(spec)
-    return Path(text).name if text.startswith(("/", "~", ".")) or Path(text).exists() else text
+    return Path(text).name if _is_local_path(text) else text
 
 
 def _flatten(tree: dict, prefix: str = "") -> list[tuple[str, object]]:

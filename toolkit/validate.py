@@ -2,7 +2,8 @@
 will serving engines run it?
 
 1. Bytes: every file's SHA-256 against the ``compound.json`` manifest written with the checkpoint; a changed or
-   missing file stops the run (``ChecksumError``, naming the files) before anything loads.
+   missing file stops the run (``ChecksumError``, naming the files) before anything loads; once it loads, so does
+   a float tensor (scales included) holding NaN or infinite values ("non-finite", naming the tensors).
 2. Numerics: held-out tokens (``eval_windows``, one window per forward, so each linear sees ``seq_len`` rows) run
    through the model with every ``QuantLinear`` on the reference path (dequantize-then-matmul, fp32: the oracle),
    then on each faster path, compared by the largest |Δ logit| and top-1 agreement at every position:
@@ -40,7 +41,8 @@ from pathlib import Path
 import torch
 
 from toolkit.formats import Scheme, awq, gptq, read_quantization_config
-from toolkit.formats.checkpoint import MANIFEST, verify_manifest
+from toolkit.formats.checkpoint import MANIFEST, tensor_files, verify_manifest
+from toolkit.quant.finite import all_finite
 from toolkit.runtime.load import CheckpointError
 
 CPU_INT4_TOLERANCE = (0.9, 0.1)  # (min top-1 agreement, max |Δ logit| / max |logit|)
@@ -119,9 +121,13 @@ def validate(directory: Path | str, *, dataset: str = "sharegpt", windows: int =
                          f"torch's int4 op (above, it runs the reference and would compare it with itself); "
                          f"pass --seq-len {CPU_INT4_MAX_ROWS} or less")
     model, tokenizer = load_quantized(directory, torch.float32, backend="reference")  # 2
+    _check_finite_tensors(directory)
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     tokens = eval_windows(tokenizer, dataset, windows, seq_len)  # (windows, seq_len)
     reference = _logits(model, tokens)
+    if not all_finite(reference):
+        raise CheckpointError(f"{directory}: the reference path produced non-finite logits (NaN or inf) from finite "
+                              "tensors; the checkpoint's values overflow float32: re-quantize it")
     paths = []
     for path in ("cpu-int4", "triton"):  # a checkpoint neither runs (e.g. 8-bit) is served by the reference alone
         problem = next(filter(None, (backend_problem(path, m.bits, m.group_size, m.in_features) for m in linears)), None)
@@ -152,6 +158,25 @@ def _decode_path(model, prompt: torch.Tensor, new_tokens: int = 16) -> PathResul
                       f"{stats.tokens_per_s:.1f} tok/s")
 
 
+def _check_finite_tensors(directory: Path) -> None:
+    """Refuse a checkpoint whose float tensors (scales included) hold NaN or infinite values, naming them; read one
+    tensor at a time."""
+    from safetensors import safe_open
+
+    bad = []
+    for path in tensor_files(directory):
+        with safe_open(path, "pt") as f:
+            names = f.keys()
+            bad += [name for name in names if not _finite_or_integer(f.get_tensor(name))]
+    if bad:
+        raise CheckpointError(f"{directory}: non-finite values (NaN or inf) in {len(bad)} tensor(s): "
+                              f"{', '.join(bad[:4])}; the checkpoint cannot run: re-quantize a finite model")
+
+
+def _finite_or_integer(tensor: torch.Tensor) -> bool:
+    return not tensor.is_floating_point() or all_finite(tensor)
+
+
 def _check_manifest(directory: Path) -> int:
     """How many files the manifest lists, all intact; raises ``ChecksumError`` naming the ones that changed."""
     if not (directory / MANIFEST).is_file():
@@ -172,6 +197,9 @@ def _logits(model, tokens: torch.Tensor) -> torch.Tensor:
 
 def _compare(path: str, got: torch.Tensor, reference: torch.Tensor, layers: str, tolerance: tuple[float, float],
              note: str = "") -> PathResult:
+    if not all_finite(got):
+        return PathResult(path, reference.shape[0] * reference.shape[1], layers, None, None, None, False,
+                          "; ".join(filter(None, ["non-finite logits (NaN or inf)", note])))
     diff = (got - reference).abs().max().item()
     relative = diff / reference.abs().max().clamp_min(1e-30).item()
     top1 = (got.argmax(-1) == reference.argmax(-1)).float().mean().item()
@@ -214,7 +242,7 @@ def _interpreted_triton_logits(directory: Path, tokens: torch.Tensor, layers: in
                               env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(f"the Triton interpreter run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-        return torch.load(logits_path)
+        return torch.load(logits_path, weights_only=True)
 
 
 def _triton_child(directory: str, tokens_path: str, layers: str, logits_path: str) -> None:
@@ -230,7 +258,7 @@ def _triton_child(directory: str, tokens_path: str, layers: str, logits_path: st
     model, _ = load_quantized(directory, torch.float32, backend="reference")
     for layer in decoder_layers(model)[: int(layers)]:
         set_backend(layer, "triton")
-    torch.save(_logits(model, torch.load(tokens_path)), logits_path)
+    torch.save(_logits(model, torch.load(tokens_path, weights_only=True)), logits_path)
 
 
 # ---- serving preview (FORMATS.md §6, §13) --------------------------------------------------------------------------

@@ -57,7 +57,7 @@ def setup_threads(n: int) -> None:
 def load_calib(path: str):
     import torch
 
-    t = torch.load(path, map_location="cpu")
+    t = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(t, torch.Tensor) or t.dim() != 2:
         raise SystemExit(f"{path}: expected a 2-D LongTensor [samples, seq_len], got {type(t)} {getattr(t, 'shape', '')}")
     return t.long()

@@ -22,7 +22,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
-    toks = torch.load(args.tokens).long()
+    toks = torch.load(args.tokens, weights_only=True).long()
     for d in args.dirs:
         model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
         print(f"ppl={perplexity(model, toks):.4f}  {d}", flush=True)

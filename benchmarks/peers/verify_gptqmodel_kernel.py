@@ -32,7 +32,7 @@ def main() -> None:
 
     torch.set_num_threads(2)
     run = Path(args.run)
-    toks = torch.load(args.tokens).long()
+    toks = torch.load(args.tokens, weights_only=True).long()
     method = json.loads((run / "result.json").read_text())["method"]
     backend = BACKEND.AWQ_TORCH if method == "awq" else BACKEND.GPTQ_TORCH
     q = GPTQModel.load(str(run / "quantized"), device="cpu", backend=backend, dtype=torch.bfloat16)

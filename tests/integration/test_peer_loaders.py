@@ -74,7 +74,8 @@ def peer_runs(smollm2_checkpoints, smollm2_windows, tmp_path_factory):
     for (loader, layout), proc in procs.items():
         stdout, stderr = proc.communicate(timeout=900)
         assert proc.returncode == 0, f"{loader} {layout}: {stderr[-6000:]}"
-        runs[loader, layout] = (json.loads(stdout.strip().splitlines()[-1]), torch.load(root / f"{loader}-{layout}.pt"))
+        logits = torch.load(root / f"{loader}-{layout}.pt", weights_only=True)
+        runs[loader, layout] = (json.loads(stdout.strip().splitlines()[-1]), logits)
     return runs
 
 

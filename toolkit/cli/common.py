@@ -46,12 +46,13 @@ def fail(err: Exception) -> None:
 
 def user_errors() -> tuple[type[Exception], ...]:
     from toolkit.calibration import CalibrationError
-    from toolkit.engine.loop import ActivationError
+    from toolkit.formats.checkpoint import OutputError
     from toolkit.models import ModelError
     from toolkit.quant.configs import ConfigError
+    from toolkit.quant.finite import NonFiniteError
     from toolkit.runtime.load import CheckpointError
 
-    return (ConfigError, ModelError, CalibrationError, CheckpointError, ActivationError, FileExistsError,
+    return (ConfigError, ModelError, CalibrationError, CheckpointError, NonFiniteError, OutputError, FileExistsError,
             FileNotFoundError)
 
 

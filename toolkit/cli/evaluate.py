@@ -10,7 +10,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from toolkit.cli import flags
 from toolkit.cli.common import app, console, fail, user_errors
+from toolkit.cli.render import fit
+from toolkit.evaluate.acceptance import CATEGORIES
+
+HEADS_DTYPES = ("float32", "bfloat16")  # the target's dtypes the decode loop of --heads runs in
+HeadsDtype = flags.choice(HEADS_DTYPES)
 
 
 @app.command("eval")
@@ -45,10 +51,18 @@ def evaluate(
     except user_errors() as err:
         fail(err)
     for table in console_tables(report):
-        Console().print(table)
+        Console().print(fit(table))
     if report["worst_slice"]:
         Console().print(f"degrades most: {report['worst_slice']}")
     console.print(f"wrote {output}/eval.json and {output}/eval.md")
+
+
+def _categories(value: str) -> list[str]:
+    """``--categories``: comma-separated names of ``CATEGORIES``, refused (exit 2) otherwise."""
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    if not names or any(name not in CATEGORIES for name in names):
+        raise typer.BadParameter(f"takes comma-separated prompt sets of {', '.join(CATEGORIES)}, got {value!r}")
+    return names
 
 
 @app.command()
@@ -57,8 +71,11 @@ def validate(
     heads: Optional[Path] = typer.Option(None, help="A draft-head directory (from train-heads): measure its accepted length on --model instead."),
     prompts: int = typer.Option(8, help="With --heads: held-out prompts decoded."),
     max_new_tokens: int = typer.Option(64, help="With --heads: tokens generated per prompt."),
-    heads_dtype: str = typer.Option("float32", "--dtype", help="With --heads: the target's dtype in the decode loop (float32 | bfloat16)."),
-    categories: str = typer.Option("all", help="With --heads: held-out prompt sets, comma-separated, each reported apart: all, prose, code, non-english, structured."),
+    heads_dtype: HeadsDtype = typer.Option("float32", "--dtype",
+                                           help="With --heads: the target's dtype in the decode loop."),
+    categories: str = typer.Option("all", callback=_categories,
+                                   help="With --heads: held-out prompt sets, comma-separated, each reported apart: "
+                                        f"{', '.join(CATEGORIES)}."),
     dataset: str = typer.Option("sharegpt", help="Held-out source (its eval split)."),
     windows: int = typer.Option(2, help="Held-out windows run on every path."),
     seq_len: int = typer.Option(64, help="Tokens per window (at most 256, where cpu-int4 hands over to the reference)."),
@@ -82,24 +99,9 @@ def validate(
     out = Console()
     out.print(f"manifest: {report.manifest_files} files, SHA-256 intact" if report.manifest_files
               else "manifest: none (compound.json absent), bytes not checked")
-    paths = Table(title=f"runtime paths vs the reference ({dataset}, {windows}×{seq_len} held-out tokens)")
-    for column in ("path", "layers", "positions", "max |Δ logit|", "/ max |logit|", "top-1 agreement", "ok", "note"):
-        paths.add_column(column, justify="left" if column in ("path", "layers", "note") else "right")
-    for p in report.paths:
-        numbers = ("-", "-", "-") if p.max_logit_diff is None else \
-            (f"{p.max_logit_diff:.3g}", f"{p.relative_diff:.1e}", f"{p.top1_agreement:.2%}")
-        paths.add_row(p.path, p.layers, str(p.positions), *numbers, "yes" if p.ok else "[bold red]NO[/]", p.note)
-    out.print(paths)
+    out.print(fit(paths_table(report, dataset, windows, seq_len)))
     s = report.serving
-    serving = Table(title=f"serving preview: {s.quant_method}, {s.scheme}", show_lines=True)
-    serving.add_column("engine")
-    serving.add_column("path")
-    serving.add_column("why")
-    serving.add_row("vLLM, GPU", s.vllm_gpu, s.vllm_gpu_why)
-    serving.add_row("vLLM, CPU", s.vllm_cpu, s.vllm_cpu_why)
-    for problem in s.problems:
-        serving.add_row("[bold red]problem[/]", "", problem)
-    out.print(serving)
+    out.print(fit(serving_table(s)))
     out.print("serve it with (vLLM on GPU, vLLM on CPU, SGLang):")
     for command in (s.vllm_command, s.vllm_cpu_command, s.sglang_command):  # unwrapped, to copy and paste
         out.print(f"  {command}", soft_wrap=True, markup=False, highlight=False)
@@ -111,21 +113,33 @@ def validate(
         raise typer.Exit(1)
 
 
-def _validate_heads(model: str, heads: Path, prompts: int, max_new_tokens: int, dtype: str, categories: str,
-                    json_out: Optional[Path]) -> None:
-    import torch
+def paths_table(report, dataset: str, windows: int, seq_len: int) -> Table:
+    """Each runtime path of a ``ValidationReport`` against the reference: logit differences, agreement, verdict."""
+    table = Table(title=f"runtime paths vs the reference ({dataset}, {windows}×{seq_len} held-out tokens)")
+    for column in ("path", "layers", "positions", "max |Δ logit|", "/ max |logit|", "top-1 agreement", "ok", "note"):
+        table.add_column(column, justify="left" if column in ("path", "layers", "note") else "right")
+    for p in report.paths:
+        numbers = ("-", "-", "-") if p.max_logit_diff is None else \
+            (f"{p.max_logit_diff:.3g}", f"{p.relative_diff:.1e}", f"{p.top1_agreement:.2%}")
+        table.add_row(p.path, p.layers, str(p.positions), *numbers, "yes" if p.ok else "[bold red]NO[/]", p.note)
+    return table
 
-    from toolkit.evaluate.acceptance import recommended, validate_heads
 
-    try:
-        if dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"--dtype must be float32 or bfloat16, got {dtype!r}")
-        reports = validate_heads(model, heads, prompts, max_new_tokens, dtype=getattr(torch, dtype),
-                                 categories=[c.strip() for c in categories.split(",") if c.strip()])
-    except (*user_errors(), ValueError) as err:
-        fail(err)
-    table = Table(title=f"heads {heads} drafting for {model} ({dtype}): {prompts} held-out prompts × "
-                        f"{max_new_tokens} tokens")
+def serving_table(s) -> Table:
+    """How vLLM serves the checkpoint on GPU and CPU, and why; the problems an engine would refuse it for."""
+    table = Table(title=f"serving preview: {s.quant_method}, {s.scheme}", show_lines=True)
+    for column in ("engine", "path", "why"):
+        table.add_column(column)
+    table.add_row("vLLM, GPU", s.vllm_gpu, s.vllm_gpu_why)
+    table.add_row("vLLM, CPU", s.vllm_cpu, s.vllm_cpu_why)
+    for problem in s.problems:
+        table.add_row("[bold red]problem[/]", "", problem)
+    return table
+
+
+def heads_table(reports, title: str) -> Table:
+    """One row per decoding mode of ``validate --heads``: accepted length, speed, losslessness."""
+    table = Table(title=title)
     for column in ("mode", "shape", "accepted length", "acceptance per depth", "tokens/s", "greedy tokens/s",
                    "speedup", "draft / verify ms per step", "break-even length", "lossless"):
         table.add_column(column, justify="left" if column in ("mode", "shape", "acceptance per depth") else "right")
@@ -135,7 +149,22 @@ def _validate_heads(model: str, heads: Path, prompts: int, max_new_tokens: int, 
                       f"{r.greedy_tokens_per_s:.1f}", f"{r.speedup:.2f}x",
                       f"{r.draft_ms_per_step:.1f} / {r.verify_ms_per_step:.1f}", f"{r.break_even_accepted_length:.2f}",
                       "yes" if r.lossless else "[bold red]NO[/]")
-    Console().print(table)
+    return table
+
+
+def _validate_heads(model: str, heads: Path, prompts: int, max_new_tokens: int, dtype: str, categories: list[str],
+                    json_out: Optional[Path]) -> None:
+    import torch
+
+    from toolkit.evaluate.acceptance import recommended, validate_heads
+
+    try:
+        reports = validate_heads(model, heads, prompts, max_new_tokens, dtype=getattr(torch, dtype),
+                                 categories=categories)
+    except (*user_errors(), ValueError) as err:
+        fail(err)
+    title = f"heads {heads} drafting for {model} ({dtype}): {prompts} held-out prompts × {max_new_tokens} tokens"
+    Console().print(fit(heads_table(reports, title)))
     Console().print("break-even length: the accepted length at which a step (draft + verify) costs what plain "
                     "greedy decoding takes for one token; speedup ≈ accepted length / break-even length")
     best = recommended(reports)

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from toolkit.cli import flags
 from toolkit.cli.common import app, console, fail, user_errors
+from toolkit.cli.render import fit
 from toolkit.train_heads import HeadsJob
 
 
@@ -37,7 +38,14 @@ def train_heads(
     if result.output is None:
         return
     shape = f"{job.medusa.num_heads} medusa heads" if job.head == "medusa" else f"an {job.head} head"
-    table = Table(title=f"compound train-heads: {shape} for {model}")
+    Console().print(fit(result_table(f"compound train-heads: {shape} for {model}", result)))
+    if job.head != "medusa":
+        _print_eagle_serving(result.output, job.eagle.tree)
+
+
+def result_table(title: str, result) -> Table:
+    """What a ``HeadsResult`` holds: where the heads went, the data, the best step and its metrics, the time."""
+    table = Table(title=title)
     table.add_column("measure")
     table.add_column("value", justify="right")
     table.add_row("output", str(result.output))
@@ -47,9 +55,7 @@ def train_heads(
         table.add_row(key, f"{value:.3f}")
     for key, value in result.seconds.items():
         table.add_row(f"seconds, {key.replace('_', ' ')}", f"{value:.0f}")
-    Console().print(table)
-    if job.head != "medusa":
-        _print_eagle_serving(result.output, job.eagle.tree)
+    return table
 
 
 def _print_eagle_serving(output: Path, tree) -> None:

@@ -11,10 +11,15 @@ from rich.table import Table
 
 from toolkit.cli import flags
 from toolkit.cli.common import RichProgress, app, console, dir_size, fail, progress_bar, user_errors
+from toolkit.cli.render import fit
+from toolkit.decode.kv_cache import CACHE_DTYPES
+from toolkit.formats import FORMATS
 from toolkit.quant.configs import DEFAULT_METHOD, METHODS
 from toolkit.quantize import CalibrationSpec, QuantizeSettings
 
 MethodName = flags.choice(METHODS)
+FormatName = flags.choice(FORMATS)
+CacheName = flags.choice(CACHE_DTYPES)
 
 
 @app.command()
@@ -36,6 +41,8 @@ def quantize(
     try:
         config = make_config(method, **flags.method_options(METHODS.values(), options))
         calibration = flags.build(CalibrationSpec, options)
+        if evaluate:
+            _check_eval(eval_windows, calibration)
         rank = int(os.environ.get("RANK", "0"))  # under torchrun rank 0 reports, the others run quietly
         with progress_bar(disable=rank > 0) as bar:
             result = run_quantize(model, config, output, calibration, flags.build(QuantizeSettings, options),
@@ -50,29 +57,44 @@ def quantize(
         table.add_row("peak memory (RSS)", f"{result.peak_rss_mb:.0f} MiB")
         table.add_row("memory estimate", f"{result.memory.total / 2**20:.0f} MiB")
         table.add_row("size on disk", f"{dir_size(result.output) / 2**20:.1f} MiB")
-        if evaluate:
-            with progress_bar() as bar:
-                tasks = {}
-
-                def advance(spec, n):
-                    if spec not in tasks:
-                        tasks[spec] = bar.add_task(f"perplexity of {spec}", total=eval_windows)
-                    bar.advance(tasks[spec], n)
-
-                quantized, base = compare_perplexity(str(result.output), model, calibration.dataset, eval_windows,
-                                                     calibration.seq_len, on_batch=advance)
-            table.add_row("perplexity, float model", f"{base.perplexity:.3f}")
-            table.add_row("perplexity, quantized", f"{quantized.perplexity:.3f} (+{quantized.perplexity - base.perplexity:.3f})")
-            table.add_row("held-out tokens scored", str(quantized.tokens))
-        Console().print(table)
     except user_errors() as err:
         fail(err)
+    if evaluate:
+        with progress_bar() as bar:
+            tasks = {}
+
+            def advance(spec, n):
+                if spec not in tasks:
+                    tasks[spec] = bar.add_task(f"perplexity of {spec}", total=eval_windows)
+                bar.advance(tasks[spec], n)
+
+            try:
+                quantized, base = compare_perplexity(str(result.output), model, calibration.dataset, eval_windows,
+                                                     calibration.seq_len, on_batch=advance)
+            except (*user_errors(), ValueError) as err:
+                Console().print(fit(table))
+                fail(ValueError(f"--eval failed, the checkpoint did not: {result.output} is complete and valid. "
+                                f"{err} Evaluate it with: compound eval --model {result.output} --base {model} "
+                                f"--dataset {calibration.dataset}"))
+        table.add_row("perplexity, float model", f"{base.perplexity:.3f}")
+        table.add_row("perplexity, quantized", f"{quantized.perplexity:.3f} (+{quantized.perplexity - base.perplexity:.3f})")
+        table.add_row("held-out tokens scored", str(quantized.tokens))
+    Console().print(fit(table))
+
+
+def _check_eval(windows: int, calibration: CalibrationSpec) -> None:
+    """Refuse --eval's options before any work, so that a bad one never fails after the checkpoint is written."""
+    from toolkit.quant.configs import ConfigError
+
+    if windows < 1:
+        raise ConfigError(f"--eval-windows must be >= 1, got {windows}")
+    calibration.check_source()
 
 
 @app.command()
 def convert(
     model: Path = typer.Option(..., help="A compound checkpoint directory."),
-    fmt: str = typer.Option(..., "--format", help="Target layout: gptq | awq | compressed-tensors."),
+    fmt: FormatName = typer.Option(..., "--format", help="Target layout."),
     output: Path = typer.Option(..., "--output", "-o", help="Checkpoint directory to create."),
     overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
 ):
@@ -92,29 +114,34 @@ def decode(
     prompt: str = typer.Option(..., help="The user message; rendered with the model's chat template."),
     max_new_tokens: int = typer.Option(64, help="Tokens to generate at most (stops early at end-of-sequence)."),
     temperature: float = typer.Option(0.0, help="0: greedy; above 0: sample at this temperature."),
-    kv_cache: str = typer.Option("float", help="KV cache: float (the model dtype) | int8 (per token and head scales)."),
+    kv_cache: CacheName = typer.Option("float", help="KV cache: float (the model dtype) | int8 (with a checkpoint's "
+                                       "calibrated INT8 scales, from quantize --kv-cache int8; else per token and "
+                                       "head)."),
     seed: int = typer.Option(0, help="Sampling seed."),
 ):
     """Generate a reply with compound's decode loop (static KV cache) and print its statistics."""
     import torch
 
     from toolkit.calibration import chat_prompt_ids
-    from toolkit.decode import DecodeError, Decoder, SamplingConfig, generate
-    from toolkit.runtime.load import load_model_or_checkpoint
+    from toolkit.decode import DecodeError, Decoder, SamplingConfig, check_context, generate
+    from toolkit.quant.kv_cache import int8_decode_scales
+    from toolkit.runtime.load import load_model_or_checkpoint, read_manifest
 
-    if kv_cache not in ("float", "int8"):
-        fail(ValueError(f"--kv-cache must be float or int8, got {kv_cache!r}"))
     try:
         sampling = SamplingConfig(temperature, seed=seed) if temperature > 0 else None
         loaded, tokenizer = load_model_or_checkpoint(model, torch.float32)
         ids = chat_prompt_ids(tokenizer, prompt)
-        decoder = Decoder.from_model(loaded, len(ids) + max_new_tokens, torch.int8 if kv_cache == "int8" else None,
+        check_context(loaded.config, len(ids), max_new_tokens)
+        scales = int8_decode_scales(loaded, read_manifest(model)) if kv_cache == "int8" else None
+        decoder = Decoder.from_model(loaded, len(ids) + max_new_tokens, CACHE_DTYPES[kv_cache], scales,
                                      fast_head=sampling is None)  # greedy: the argmax is all it reads
         out, stats = generate(decoder, ids, max_new_tokens, sampling, eos_token_id=tokenizer.eos_token_id)
     except (*user_errors(), DecodeError, ValueError) as err:
         fail(err)
     Console().print(tokenizer.decode(out[len(ids):], skip_special_tokens=True), markup=False, highlight=False)
-    table = Table(title=f"compound decode: {'greedy' if sampling is None else f'T={temperature}'}, KV cache {kv_cache}")
+    scaling = "" if kv_cache == "float" else ", calibrated scales" if scales is not None else ", per-token scales"
+    table = Table(title=f"compound decode: {'greedy' if sampling is None else f'T={temperature}'}, "
+                        f"KV cache {kv_cache}{scaling}")
     table.add_column("measure")
     table.add_column("value", justify="right")
     table.add_row("prompt tokens", str(len(ids)))
@@ -122,4 +149,4 @@ def decode(
     table.add_row("forward passes", str(stats.target_forwards))
     table.add_row("wall time (prefill + decode)", f"{stats.total_s:.2f} s")
     table.add_row("tokens/s", f"{stats.tokens_per_s:.1f}")
-    Console().print(table)
+    Console().print(fit(table))

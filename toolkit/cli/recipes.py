@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from toolkit.cli.common import app, console, fail, user_errors
+from toolkit.cli.render import fit
 
 
 @app.command()
@@ -35,7 +36,7 @@ def run(
     wants_push = loaded.push is not None and loaded.push.enabled and not dry_run
     try:
         run_recipe(loaded, resume=resume, dry_run=dry_run, api=_hub_client() if wants_push else None, console=console,
-                   show=lambda summary: console.print(_summary_table(summary)))
+                   show=lambda summary: console.print(fit(_summary_table(summary))))
     except GateError:
         raise typer.Exit(1)  # the failed gates and the summary are printed already
     except (*user_errors(), HubError, ValueError) as err:
@@ -65,9 +66,11 @@ def push(
     from toolkit.hub import push as run_push
 
     try:
-        measured = card_results(json.loads(results.read_text())) if results else None
+        measured = card_results(json.loads(results.read_bytes())) if results else None
         out = run_push(HfApi(), directory, repo, private=private, revision=revision, tags=tag, results=measured)
-    except (HubError, OSError, json.JSONDecodeError) as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        fail(ValueError(f"--results {results}: not valid JSON ({err}); pass an eval.json or a results file"))
+    except (HubError, OSError) as err:
         fail(err)
     Console().print(f"pushed {len(out.files)} files to {out.repo_url}\ncommit {out.commit_oid}", markup=False,
                     highlight=False, soft_wrap=True)  # unwrapped, to copy

@@ -13,7 +13,7 @@ protocol, verification, the speculative loop), ``drafters`` (draft model, Medusa
 """
 
 from toolkit.decode.drafters import MedusaDrafter, ModelDrafter
-from toolkit.decode.generate import DecodeStats, decode_one_token, generate, greedy_outputs, prefill
+from toolkit.decode.generate import DecodeStats, check_context, decode_one_token, generate, greedy_outputs, prefill
 from toolkit.decode.kv_cache import KVCache
 from toolkit.decode.model import DecodeError, Decoder
 from toolkit.decode.sampling import SamplingConfig
@@ -22,7 +22,7 @@ from toolkit.decode.tree import eagle2_tree, static_tree
 
 __all__ = [
     "Decoder", "DecodeError", "KVCache", "SamplingConfig", "DecodeStats", "prefill", "decode_one_token", "generate",
-    "greedy_outputs",
+    "greedy_outputs", "check_context",
     "Drafter", "DraftContext", "Proposal", "verify", "speculative_generate", "ModelDrafter", "MedusaDrafter",
     "eagle2_tree", "static_tree",
 ]

@@ -13,6 +13,7 @@ from torch import nn
 
 from toolkit.decode.model import DecodeError, Decoder
 from toolkit.decode.sampling import SamplingConfig, sample
+from toolkit.models import context_length
 
 
 @dataclass
@@ -116,7 +117,19 @@ def as_prompt(prompt_ids, max_new_tokens: int) -> torch.Tensor:
     return prompt
 
 
+def check_context(config, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Refuse a run whose prompt and new tokens together exceed the model's context length: past
+    ``max_position_embeddings`` its positions are untrained and the output is garbage (checked before any forward)."""
+    limit = context_length(config)
+    if limit is None or prompt_tokens + max_new_tokens <= limit:
+        return
+    remedy = f"lower --max-new-tokens to {limit - prompt_tokens}" if prompt_tokens < limit else "shorten the prompt"
+    raise DecodeError(f"the prompt's {prompt_tokens} tokens + --max-new-tokens {max_new_tokens} exceed the model's "
+                      f"context length (max_position_embeddings = {limit}); {remedy}")
+
+
 def check_capacity(decoder: Decoder, needed: int) -> None:
+    """Refuse a run that needs more KV-cache slots than ``decoder`` was built with."""
     if needed > decoder.max_len:
         raise DecodeError(f"the run needs {needed} cache slots but the decoder has max_len={decoder.max_len}; "
                           f"rebuild with Decoder.from_model(model, max_len={needed}) or more")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 INT8_MAX = 127
+CACHE_DTYPES = {"float": None, "int8": torch.int8}  # ``compound decode --kv-cache``: None stores the model dtype
 
 
 def quantize_int8(x: torch.Tensor, scale: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,10 @@ from safetensors shards; the default does nothing, for a model already in memory
 activations between layers live on disk (``toolkit.engine.offload``). The engine knows no quantization algorithm: a driver
 is any ``LayerDriver`` callable, looked up by method name.
 
+Nothing non-finite gets through: each layer's weights are checked when it is loaded, each linear's scales when its
+driver returns them, and the activations after the embeddings and after every layer (``NonFiniteError``, naming the
+decoder layer and the tensor).
+
 Replay: a linear whose output is its parent module's whole output (o_proj of the attention block, down_proj of the
 MLP) can stand in for that parent. A driver that quantizes in execution order (GPTQ, true-sequential) keeps such a
 linear's inputs once everything before it is final (``collect_linear_inputs(..., keep=True)``); later passes and
@@ -25,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,11 +42,11 @@ from toolkit.engine.heap import trim_heap
 from toolkit.engine.offload import DiskActivations
 from toolkit.models import arch_spec, decoder_layers, layer_linears
 from toolkit.quant.configs import WeightQuantConfig
-from toolkit.quant.finite import all_finite
+from toolkit.quant.finite import NonFiniteError, all_finite
 from toolkit.quant.primitives import QuantizedWeight
 
 
-class ActivationError(RuntimeError):
+class ActivationError(NonFiniteError):
     """Calibration activations that no quantizer can use (NaN or infinite values)."""
 
 
@@ -315,17 +318,10 @@ def quantize_layers(
 
     tokens: LongTensor [samples, seq_len] of calibration data; ``None`` for methods that need no activations.
     source: loads and releases each layer's weights (default: ``InMemory``, the model holds them all).
-    offload_dir: keep the activations between layers in a temporary directory made there, not in memory.
+    offload_dir: an existing, empty directory (the caller makes and removes it) that holds the activations between
+    layers instead of memory.
     """
-    scratch = (tempfile.TemporaryDirectory(prefix=".compound-activations-", dir=offload_dir) if offload_dir is not None
-               else contextlib.nullcontext())
-    with scratch as directory:
-        return _quantize_layers(model, config, driver, tokens, sink, batch_size, device, progress, source,
-                                Path(directory) if directory else None)
-
-
-def _quantize_layers(model, config, driver, tokens, sink, batch_size, device, progress, source, scratch):
-    """``quantize_layers`` with the offload directory made (``scratch``, or None to keep activations in memory)."""
+    scratch = None if offload_dir is None else Path(offload_dir)
     progress = progress or _Silent()
     source = source or InMemory()
     layers = decoder_layers(model)
@@ -344,6 +340,7 @@ def _quantize_layers(model, config, driver, tokens, sink, batch_size, device, pr
     errors: dict[str, float] = {}
     for index, layer in enumerate(layers):
         source.load(index, layer)
+        check_finite_weights(((f"{prefix}.{index}.{n}", p) for n, p in layer.named_parameters()), prefix)
         layer.to(device)
         linears = {n: m for n, m in layer_linears(layer).items() if not _skipped(f"{prefix}.{index}.{n}", config)}
         session = LayerSession(index, layer, inputs, config, linears, arch=arch_spec(model))
@@ -355,6 +352,7 @@ def _quantize_layers(model, config, driver, tokens, sink, batch_size, device, pr
         with torch.no_grad():
             results = driver(session)
             for name, qweight in results.items():
+                _check_finite_scales(qweight, f"{prefix}.{index}.{name}", config)
                 linear = linears[name]
                 linear.weight.copy_(qweight.dequantize().to(linear.weight.dtype))
                 sink(f"{prefix}.{index}.{name}", qweight)
@@ -370,6 +368,25 @@ def _quantize_layers(model, config, driver, tokens, sink, batch_size, device, pr
         progress.layer_done(index, session.errors)
         trim_heap()  # the layer's freed activations would otherwise stay resident, and the peak creep layer by layer
     return errors
+
+
+def check_finite_weights(tensors: Iterable[tuple[str, torch.Tensor]], layers: str) -> None:
+    """Refuse NaN or infinite weights before anything is quantized or written, naming the tensor (by full name) and
+    its decoder layer (``layers``: the architecture's layer path, ``model.layers``); tensors not loaded yet (on the
+    meta device) are skipped."""
+    for name, tensor in tensors:
+        if tensor.is_floating_point() and not tensor.is_meta and not all_finite(tensor):
+            index = name.removeprefix(layers + ".").split(".")[0] if name.startswith(layers + ".") else None
+            where = "outside the decoder layers" if index is None else f"decoder layer {index}"
+            raise NonFiniteError(f"non-finite weights: {name} ({where}) holds NaN or infinite values, which no "
+                                 f"quantizer can round; repair or re-export the model given to --model")
+
+
+def _check_finite_scales(qweight: QuantizedWeight, name: str, config: WeightQuantConfig) -> None:
+    """Refuse the NaN or infinite scales a method computed from finite weights (its statistics overflowed)."""
+    if not all_finite(qweight.scale):
+        raise NonFiniteError(f"non-finite scales: {config.method} computed NaN or infinite scales for {name} from "
+                             f"finite weights; its statistics overflowed (try another --method or --dataset)")
 
 
 def check_widths(model: nn.Module, config: WeightQuantConfig) -> None:

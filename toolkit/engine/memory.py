@@ -14,6 +14,10 @@ Counted from the model's shapes (a meta-device skeleton is enough), float32 as t
 | output | one packed layer, twice (tensors and safetensors' serialized bytes) | the whole packed model, twice |
 
 An estimate, not a measurement: it aims a little high, so that a refusal is never a close call.
+
+``disk_estimate`` counts the disk a run writes the same way: the checkpoint (the output row's packed linears of every
+layer, every other tensor in the saved dtype, and ``EXTRAS`` for tokenizer and configs) and, with offload, the
+activations row on disk.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from toolkit.quant.configs import ConfigError, WeightQuantConfig
 GiB = 2**30
 RUNTIME = GiB // 2
 FLOAT = 4  # bytes per float32 value
+EXTRAS = 64 * 2**20  # tokenizer files, configs and manifest of a checkpoint (the largest tokenizers are ~35 MB)
 
 
 class MemoryLimitError(ConfigError):
@@ -98,6 +103,20 @@ def estimate(
     packed_layer = sum(_packed_bytes(m.weight.numel(), config) for m in linears)
     parts["output"] = 2 * packed_layer * (1 if streamed else len(layers))
     return MemoryEstimate(streamed, offload, parts)
+
+
+def disk_estimate(
+    model: nn.Module, config: WeightQuantConfig, samples: int, seq_len: int, dtype_size: int, *, offload: bool
+) -> int:
+    """Bytes a quantize run of ``model`` (its shapes) writes beside its output: the checkpoint, whose unquantized
+    tensors take ``dtype_size`` bytes a value, and with ``offload`` two layers' activations of ``samples`` ×
+    ``seq_len`` tokens."""
+    linears = [m for layer in decoder_layers(model) for m in layer_linears(layer).values()]
+    float_values = sum(p.numel() for p in model.parameters()) - sum(m.weight.numel() for m in linears)
+    written = sum(_packed_bytes(m.weight.numel(), config) for m in linears) + float_values * dtype_size + EXTRAS
+    if offload:
+        written += 2 * samples * seq_len * model.config.hidden_size * FLOAT
+    return written
 
 
 def _packed_bytes(values: int, config: WeightQuantConfig) -> int:

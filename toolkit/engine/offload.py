@@ -3,11 +3,14 @@
 Between two decoder layers the engine holds what enters the next layer for every calibration batch: samples ×
 seq_len × hidden float32 values, twice while a layer turns its inputs into outputs (4 GiB each for 128 × 512 tokens
 of an 8192-wide model). ``DiskActivations`` stands in for that list: ``append`` writes one batch to its own file and
-indexing reads it back, so memory holds one batch at a time. The page cache keeps recently used files warm.
+indexing reads it back, so memory holds one batch at a time. The page cache keeps recently used files warm. Each file
+is serialized in memory and written by Python, so that a full disk raises ``OSError`` (ENOSPC, the file named)
+rather than torch's ``RuntimeError`` from its zip writer.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,7 +28,9 @@ class DiskActivations(Sequence):
 
     def append(self, tensor: torch.Tensor) -> None:
         path = self.directory / f"{len(self.paths):06d}.pt"
-        torch.save(tensor.detach().cpu().contiguous(), path)
+        buffer = io.BytesIO()
+        torch.save(tensor.detach().cpu().contiguous(), buffer)
+        path.write_bytes(buffer.getbuffer())
         self.paths.append(path)
         self.device = tensor.device
 

@@ -26,7 +26,8 @@ from toolkit.evaluate.perplexity import Perplexity, perplexity
 from toolkit.evaluate.report import SCHEMA, write_report
 from toolkit.evaluate.slices import SLICES, slice_windows
 from toolkit.formats.checkpoint import atomic_directory
-from toolkit.models import ModelError
+from toolkit.models import ModelError, check_seq_len
+from toolkit.quant.configs import ConfigError
 from toolkit.runtime.load import read_manifest
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
@@ -46,6 +47,7 @@ def evaluate(model: str, output: Path | str | None = None, *, base: str | None =
 
     if output is not None and Path(output).exists() and not overwrite:
         raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
+    _check_sizes(model, base, windows, seq_len)
     started = time.perf_counter()
     say(f"loading {model}" + (f" and {base}" if base else ""))
     target, tokenizer = load_model_or_checkpoint(model, torch.float32)  # 1
@@ -58,7 +60,8 @@ def evaluate(model: str, output: Path | str | None = None, *, base: str | None =
     say(f"packing the eval split of {dataset} into up to {windows}×{seq_len} tokens per slice")
     per_slice = slice_windows(tokenizer, dataset, windows, seq_len)  # 2
     if not any(w.shape[0] for w in per_slice.values()):
-        raise CalibrationError(f"the eval split of {dataset} fills no {seq_len}-token window; lower --seq-len")
+        raise CalibrationError(f"the eval split of {dataset} fills no {seq_len}-token window; lower --seq-len or pass "
+                               "a larger --dataset")
     say("scoring the slices" + (" against the base" if base else ""))
     slices, scored = _score_slices(target, reference, per_slice, kl_threshold)  # 3
     total = combine(scored) if reference is not None else _total_perplexity(scored)
@@ -89,6 +92,16 @@ def evaluate(model: str, output: Path | str | None = None, *, base: str | None =
         with atomic_directory(Path(output), overwrite) as staging:
             write_report(report, staging)
     return report
+
+
+def _check_sizes(model: str, base: str | None, windows: int, seq_len: int) -> None:
+    """Refuse --windows and --seq-len out of range, and windows longer than either model's context, from their configs
+    before any weight is loaded."""
+    for flag, value, least in (("--windows", windows, 1), ("--seq-len", seq_len, 2)):  # a window predicts seq_len - 1
+        if value < least:
+            raise ConfigError(f"{flag} must be >= {least}, got {value}")
+    for spec in filter(None, (model, base)):
+        check_seq_len(spec, seq_len)
 
 
 def layer_errors(model: str) -> dict | None:

@@ -1,7 +1,12 @@
 """Writing a quantized model directory atomically, with its config and a manifest of hashes.
 
-The directory is assembled in a temporary sibling (``.<name>.tmp-*``) and renamed into place only when complete,
-so a crash or Ctrl-C never leaves a half checkpoint where a loader would find it.
+The directory is assembled in a temporary sibling (``.<name>.tmp-<pid>-<hex>``), its files and itself fsynced and
+given the permissions the umask allows (as any file a user writes: a serving container running as another user
+reads them), and renamed into place only when complete, so a crash or Ctrl-C never leaves a half checkpoint where a
+loader would find it. An existing output being replaced is moved aside (``.<name>.old-…``) and put back if the
+rename fails. Scratch space of a run (``.<name>.activations-…``) is named the same way, so that a later run for the
+same output finds what a killed one left (``remove_leftovers``), and only that: the pid in the name tells a dead
+run's directory from a live one's on this host.
 
 Tensors above ``max_shard_size`` are split the Hugging Face way (``huggingface_hub.split_torch_state_dict_into_shards``,
 what ``save_pretrained`` uses): ``model-00001-of-0000n.safetensors`` … plus ``model.safetensors.index.json`` =
@@ -11,9 +16,12 @@ otherwise. vLLM, SGLang and transformers read either; the manifest hashes every 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
+import secrets
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -21,35 +29,168 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
+
+from toolkit.quant.finite import NonFiniteError, all_finite
 
 MANIFEST = "compound.json"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 MAX_SHARD_SIZE = "2GB"  # largest safetensors file written (huggingface_hub size string, or an int in bytes)
+SIBLINGS = ("tmp", "old", "activations")  # the kinds of hidden sibling a run makes next to its output
+WRITING_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}  # errors only writing can raise
+MiB = 2**20
+
+
+class OutputError(OSError):
+    """An output that cannot be written (a parent that is a file, no permission, no space), said in one line."""
 
 
 @contextmanager
 def atomic_directory(output: Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary directory that becomes ``output`` when the block exits cleanly, and vanishes otherwise."""
+    """Yield a temporary directory that becomes ``output`` when the block exits cleanly, and vanishes otherwise.
+
+    An ``OSError`` of writing (a full disk, a read-only file system, or any error on a file inside the directory)
+    is raised as an ``OutputError`` naming ``output``."""
     output = Path(output)
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
-    try:
+    staging = _make_sibling(output, "tmp")
+    with _removed_on_failure(staging, output):
         yield staging
-        if output.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
-            os.replace(output, trash / output.name)
-            os.replace(staging, output)
-            shutil.rmtree(trash)
-        else:
-            os.replace(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        _settle(staging)
+        _swap_in(staging, output)
+
+
+@contextmanager
+def scratch_directory(output: Path) -> Iterator[Path]:
+    """Yield an empty hidden directory beside ``output`` (``.<name>.activations-…``) for a run's scratch files,
+    removed when the block exits; errors of writing it are raised as for ``atomic_directory``."""
+    directory = _make_sibling(Path(output), "activations")
+    with _removed_on_failure(directory, output):
+        yield directory
+    shutil.rmtree(directory)
+
+
+@contextmanager
+def _removed_on_failure(directory: Path, output: Path) -> Iterator[None]:
+    """Remove ``directory`` when the block raises; an ``OSError`` of writing there is raised as an ``OutputError``."""
+    try:
+        yield
+    except BaseException as err:
+        shutil.rmtree(directory, ignore_errors=True)
+        if isinstance(err, OSError) and not isinstance(err, OutputError) and _is_writing(err, directory, output):
+            raise OutputError(f"could not write --output {output}: {err.strerror or err} "
+                              f"({err.filename or output.parent}); nothing was left behind: free some space there "
+                              f"or choose another --output") from err
         raise
+
+
+def remove_leftovers(output: Path) -> list[str]:
+    """Remove what runs for ``output`` that were killed left beside it (``.<name>.tmp-…``, ``.old-…``,
+    ``.activations-…`` of a process no longer running) and return their names; other files are never touched."""
+    output = Path(output)
+    pattern = re.compile(rf"\.{re.escape(output.name)}\.(?:{'|'.join(SIBLINGS)})-(\d+)-[0-9a-f]{{8}}")
+    if not output.parent.is_dir():
+        return []
+    removed = []
+    for path in sorted(output.parent.iterdir()):
+        match = pattern.fullmatch(path.name)
+        if match and path.is_dir() and not _running(int(match[1])):
+            shutil.rmtree(path)
+            removed.append(path.name)
+    return removed
+
+
+def check_output(output: Path, needed: int) -> None:
+    """Refuse, before any work, an ``output`` that cannot be written: one whose parent is a file, a directory in
+    which no file can be created, or less free space there than ``needed`` bytes."""
+    output = Path(output)
+    base = output.parent
+    while not base.exists() and base != base.parent:
+        base = base.parent  # the nearest existing ancestor: atomic_directory makes the rest
+    if not base.is_dir():
+        raise OutputError(f"--output {output}: {base} is a file, not a directory; choose another --output")
+    try:
+        with tempfile.TemporaryFile(dir=base):
+            pass
+    except OSError as err:
+        raise OutputError(f"--output {output}: cannot create files in {base} ({err.strerror or err}); "
+                          f"choose another --output") from err
+    free = shutil.disk_usage(base).free
+    if free < needed:
+        raise OutputError(f"--output {output}: this run writes about {needed / MiB:.0f} MiB but {base} has "
+                          f"{free / MiB:.0f} MiB free; free some space or choose another --output")
+
+
+def _make_sibling(output: Path, kind: str) -> Path:
+    """A new directory ``.<name>.<kind>-<pid>-<hex>`` beside ``output`` (its parents made), with the umask's
+    permissions."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    path = _sibling(output, kind)
+    path.mkdir()
+    return path
+
+
+def _sibling(output: Path, kind: str) -> Path:
+    return output.parent / f".{output.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    return True
+
+
+def _is_writing(err: OSError, directory: Path, output: Path) -> bool:
+    """Whether ``err`` comes from writing (a full disk, or a file in ``directory`` or ``output`` itself), not from
+    reading an input."""
+    names = [Path(os.fsdecode(name)) for name in (err.filename, err.filename2) if isinstance(name, (str, bytes))]
+    return err.errno in WRITING_ERRNOS or any(name == output or name.is_relative_to(directory) for name in names)
+
+
+def _settle(staging: Path) -> None:
+    """Give every file and directory under ``staging`` the umask's permissions (safetensors writes 0600) and fsync
+    them, files before the directories that list them, so the rename publishes data that is on disk."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in sorted(staging.rglob("*"), key=lambda p: -len(p.parts)):
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+        _fsync(path)
+    os.chmod(staging, 0o777 & ~umask)
+    _fsync(staging)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _swap_in(staging: Path, output: Path) -> None:
+    """Rename ``staging`` to ``output``; an existing ``output`` is moved aside first, and put back if that fails."""
+    if not output.exists():
+        os.replace(staging, output)
+        _fsync(output.parent)
+        return
+    trash = _sibling(output, "old")
+    os.replace(output, trash)
+    try:
+        os.replace(staging, output)
+    except BaseException:
+        os.replace(trash, output)
+        raise
+    _fsync(output.parent)
+    shutil.rmtree(trash)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -191,7 +332,7 @@ class ShardWriter:
             raise RuntimeError(f"all {self.shards} shards are written already")
         self.written += 1
         filename = f"model-{self.written:05d}-of-{self.shards:05d}.safetensors"
-        save_file(tensors, self.directory / filename, metadata={"format": "pt"})
+        _save_file(tensors, self.directory / filename)
         self.weight_map.update(dict.fromkeys(tensors, filename))
         self.total_size += sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -211,7 +352,7 @@ def save_tensors(
 
     split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
-        save_file({name: tensors[name] for name in names}, Path(directory) / filename, metadata={"format": "pt"})
+        _save_file({name: tensors[name] for name in names}, Path(directory) / filename)
     if not split.is_sharded:
         return [WEIGHTS]
     index = {"metadata": {"total_size": split.metadata["total_size"]},
@@ -220,18 +361,41 @@ def save_tensors(
     return [*split.filename_to_tensors, WEIGHTS_INDEX]
 
 
+def _save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``save_file`` of finite ``tensors`` (refused: ``NonFiniteError``, naming the first bad one); its I/O failures,
+    which safetensors reports as ``SafetensorError`` text, raised as the ``OSError`` they are."""
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not all_finite(tensor):
+            hint = " (float16 ends at ±65504: try --dtype bfloat16)" if tensor.dtype == torch.float16 else ""
+            raise NonFiniteError(f"non-finite tensor: {name} holds NaN or infinite values as "
+                                 f"{str(tensor.dtype).removeprefix('torch.')}{hint}; nothing was written")
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except SafetensorError as err:
+        code = re.search(r"os error (\d+)", str(err))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from err
+
+
+def tensor_files(directory: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory: its single file, or every shard its index names."""
+    directory = Path(directory)
+    index = directory / WEIGHTS_INDEX
+    names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [WEIGHTS]
+    missing = [name for name in names if not (directory / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{directory / missing[0]} is missing: the checkpoint is incomplete")
+    return [directory / name for name in names]
+
+
 def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint directory, from its single file or all the shards its index names."""
     from safetensors.torch import load_file
 
-    directory = Path(directory)
-    index = directory / WEIGHTS_INDEX
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [WEIGHTS]
     tensors = {}
-    for name in files:
-        if not (directory / name).is_file():
-            raise FileNotFoundError(f"{directory / name} is missing: the checkpoint is incomplete")
-        tensors.update(load_file(directory / name))
+    for path in tensor_files(directory):
+        tensors.update(load_file(path))
     return tensors
 
 

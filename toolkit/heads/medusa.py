@@ -27,7 +27,8 @@ from torch import nn
 def check_medusa_shape(num_heads: int, num_layers: int) -> None:
     """Refuse fewer than one head or one residual block per head."""
     if num_heads < 1 or num_layers < 1:
-        raise ValueError(f"Medusa needs num_heads >= 1 and num_layers >= 1, got {num_heads}, {num_layers}")
+        raise ValueError(f"Medusa needs num_heads >= 1 and num_layers >= 1, got {num_heads}, {num_layers} (flags "
+                         f"--num-heads and --num-layers)")
 
 
 @dataclass(frozen=True)

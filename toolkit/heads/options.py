@@ -47,7 +47,7 @@ class EagleOptions:
     aux_layers: tuple[int, ...] | None = option(
         None, "eagle3: target layers fused, as transformers hidden_states indices = vLLM ids, e.g. 2,15,27 "
         "(default: 2, N/2, N-3).")
-    draft_vocab: int = option(32000, "eagle3: draft vocabulary size, the most frequent trained tokens (capped at the "
+    draft_vocab: int = option(32000, "eagle3: draft vocabulary size, the most frequent trained tokens (at most the "
                               "target's vocabulary).")
     ttt_steps: int = option(5, "eagle3: unrolled draft steps of the training-time test.")
     depth: int = option(5, "EAGLE: draft steps (tree depth; chain length in --select-mode chain).")
@@ -56,7 +56,28 @@ class EagleOptions:
 
     def __post_init__(self):
         if min(self.draft_vocab, self.ttt_steps, self.depth, self.top_k, self.draft_tokens) < 1:
-            raise ValueError("--draft-vocab, --ttt-steps, --depth, --top-k and --draft-tokens must be >= 1")
+            raise ValueError("--draft-vocab, --ttt-steps, --depth, --top-k and --draft-tokens must be >= 1, got "
+                             f"{self.draft_vocab}, {self.ttt_steps}, {self.depth}, {self.top_k}, {self.draft_tokens}")
+        aux = self.aux_layers
+        if aux is not None and (not aux or aux[0] < 1 or list(aux) != sorted(set(aux))):
+            raise ValueError(f"--aux-layers must be increasing target layer indices >= 1 such as 2,15,27, got "
+                             f"{','.join(map(str, aux)) or 'none'}")
+
+    def check_target(self, head: str, num_layers: int, vocab_size: int) -> None:
+        """Refuse, for an eagle3 ``head``, what a target of ``num_layers`` decoder layers and ``vocab_size`` tokens
+        lacks: aux layers outside 1..num_layers - 1 (the residual stream entering a decoder layer) and a draft
+        vocabulary larger than its own."""
+        if head != "eagle3":
+            return
+        if num_layers < 2:
+            raise ValueError(f"--head eagle3 fuses the states entering decoder layers 1 and up, and the target has "
+                             f"{num_layers} decoder layer; use --head eagle or --head medusa")
+        if self.aux_layers and self.aux_layers[-1] >= num_layers:
+            raise ValueError(f"--aux-layers {','.join(map(str, self.aux_layers))} is out of range: the target has "
+                             f"{num_layers} decoder layers, so aux layers lie in 1..{num_layers - 1}")
+        if self.draft_vocab > vocab_size:
+            raise ValueError(f"--draft-vocab {self.draft_vocab} is larger than the target's vocabulary; choose "
+                             f"1..{vocab_size}")
 
     @property
     def tree(self) -> TreeShape:
@@ -94,10 +115,19 @@ class DataOptions:
                              f"{self.dtype!r}")
         if self.batch_tokens < 1:
             raise ValueError("--batch-tokens must be >= 1")
+        if min(self.distill_tokens, self.distill_batch) < 1:
+            raise ValueError(f"--distill-tokens and --distill-batch must be >= 1, got {self.distill_tokens} and "
+                             f"{self.distill_batch}")
         if self.stream_target and (self.online or self.self_distill):
             raise ValueError("--stream-target runs the target one layer at a time over the whole cache; it cannot "
                              "generate answers (use --dataset-answers) or compute states while training (drop "
                              "--online)")
+
+    def check_target(self, max_positions: int | None) -> None:
+        """Refuse examples longer than the target's context (its ``max_position_embeddings``, when it has one)."""
+        if max_positions is not None and self.max_len > max_positions:
+            raise ValueError(f"--max-len {self.max_len} is longer than the target's context of {max_positions} "
+                             f"tokens (max_position_embeddings); choose 8..{max_positions}")
 
 
 @dataclass(frozen=True)
@@ -111,3 +141,6 @@ class SelectOptions:
 
     def __post_init__(self):
         check_choices(self)  # "--select-mode must be one of tree, chain, got ..."
+        if min(self.eval_prompts, self.eval_tokens) < 1:
+            raise ValueError(f"--eval-prompts and --eval-tokens must be >= 1, got {self.eval_prompts} and "
+                             f"{self.eval_tokens}")

@@ -23,7 +23,9 @@ Rank 0 alone writes files, evaluates and shows progress. Files under ``out_dir``
     best.pt       {"step", "metrics", "model": state_dict} of the best evaluation by select_metric (maximized)
 
 Checkpoint directories are written whole (temp directory, then rename); the last two are kept. Resuming from the
-latest gives bit-identical parameters to an uninterrupted run on the same hardware and thread count.
+latest gives bit-identical parameters to an uninterrupted run on the same hardware and thread count. The logs are
+appended a line at a time; a run first rewrites them (atomically) without the steps it will train again, dropping a
+last line torn by a crash.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ from rich.progress import Progress, TextColumn
 from torch import nn
 
 from toolkit.engine import distributed
-from toolkit.formats.checkpoint import atomic_directory
-from toolkit.options import option
+from toolkit.formats.checkpoint import atomic_directory, write_text_atomic
+from toolkit.options import option, option_fields
 
 LossFn = Callable[[nn.Module, dict], tuple[torch.Tensor, int, dict[str, float]]]
 CHECKPOINTS = "checkpoints"
@@ -92,14 +94,23 @@ class TrainConfig:
                              f"{self.grad_clip}")
         for name in ("steps", "batch_size", "micro_batch_size", "eval_every", "save_every", "log_every"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}{_flag(name)}")
         if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.batch_size % self.micro_batch_size:
-            raise ValueError(f"batch_size must be a multiple of micro_batch_size ({self.batch_size} % "
-                             f"{self.micro_batch_size} != 0)")
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}{_flag('warmup_steps')}")
+        self.check_world(1)
         if self.train_dtype not in TRAIN_DTYPES:
             raise ValueError(f"train_dtype must be {' or '.join(map(repr, TRAIN_DTYPES))}, got {self.train_dtype!r}")
+
+    def check_world(self, world: int) -> None:
+        """Refuse a global batch that ``world`` ranks cannot split into equal micro-batches."""
+        if self.batch_size % (self.micro_batch_size * world):
+            raise ValueError(f"batch_size must be a multiple of micro_batch_size × world size ({self.batch_size} % "
+                             f"({self.micro_batch_size} × {world}) != 0); change --batch-size or --micro-batch-size")
+
+
+def _flag(name: str) -> str:
+    """`` (--name)`` for a field of ``TrainConfig`` that is a ``train-heads`` flag, else nothing."""
+    return f" (--{name.replace('_', '-')})" if name in {f.name for f in option_fields(TrainConfig)} else ""
 
 
 @dataclass
@@ -183,9 +194,7 @@ def train(model: nn.Module, loss_fn: LossFn, train_data: Sequence[dict[str, torc
         raise ValueError(f"stop_after must be >= 1, got {stop_after}")
     started = time.perf_counter()
     rank, world, device = _join_process_group(model)
-    if config.batch_size % (config.micro_batch_size * world):
-        raise ValueError(f"batch_size must be a multiple of micro_batch_size × world size ({config.batch_size} % "
-                         f"({config.micro_batch_size} × {world}) != 0); change batch_size or micro_batch_size")
+    config.check_world(world)
     state = _run(model, loss_fn, train_data, config, Path(out_dir), eval_fn, count_fn, resume, progress, stop_after,
                  rank, world, device)
     return TrainResult(state["step"], state["last_metrics"], state["best_step"], state["best_metrics"], Path(out_dir),
@@ -209,10 +218,10 @@ def _run(model, loss_fn, train_data, config, out_dir, eval_fn, count_fn, resume,
                               f"out_dir")
     if checkpoint is not None:
         state = _load_checkpoint(checkpoint, model, optimizer, config, rank, world, device)
-        if rank == 0:
-            for log in ("train.jsonl", "eval.jsonl"):  # lines of steps that will run again
-                _drop_records_after(out_dir / log, state["step"])
-    else:
+    if rank == 0:
+        for log in ("train.jsonl", "eval.jsonl"):  # lines of steps that will run again (all of them at a fresh start)
+            _drop_records_after(out_dir / log, state["step"])
+    if checkpoint is None:
         torch.manual_seed(config.seed + rank)
         random.seed(config.seed + rank)
         if world > 1:
@@ -459,7 +468,20 @@ def _append_jsonl(path: Path, record: dict) -> None:
 
 
 def _drop_records_after(path: Path, step: int) -> None:
-    """Remove the lines of ``path`` (JSON lines with a "step") logged after ``step``."""
-    if path.exists():
-        lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in lines))
+    """Rewrite ``path`` (JSON lines with a "step") without the lines logged after ``step``, atomically. A torn last
+    line (an append cut off by a crash) is dropped with a warning; any other unreadable line is refused."""
+    if not path.exists():
+        return
+    lines = path.read_text(errors="replace").splitlines(keepends=True)
+    kept = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            logged = json.loads(line)["step"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            if number == len(lines) and not line.endswith("\n"):
+                warnings.warn(f"{path} line {number} is truncated (an interrupted write); dropping it", stacklevel=2)
+                break
+            raise ValueError(f"{path} line {number} is not a record with a step; fix or delete the file") from None
+        if logged <= step:
+            kept.append(line.rstrip("\n") + "\n")
+    write_text_atomic(path, "".join(kept))

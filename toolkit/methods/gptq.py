@@ -74,6 +74,9 @@ def _hessians(session: LayerSession, groups: list[list[str]], keep: bool = False
         hessians[name], tokens = mean_over_ranks(acc.H, acc.tokens)
         if tokens == 0:
             raise RuntimeError(f"{name} of decoder layer {session.index} saw no calibration tokens")
+        if not all_finite(hessians[name]):  # finite inputs whose products overflow float32
+            raise ActivationError(f"the Hessian of {name} in decoder layer {session.index} is NaN or infinite: its "
+                                  f"calibration activations overflow float32 (check the model or the --dataset)")
     return hessians
 
 

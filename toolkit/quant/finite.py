@@ -14,3 +14,7 @@ def all_finite(tensor: torch.Tensor) -> bool:
     2 ms (it builds three tensors of the input's size).
     """
     return bool(torch.isfinite(tensor.sum(dtype=torch.float32)))
+
+
+class NonFiniteError(RuntimeError):
+    """NaN or infinite values where a run needs finite ones: weights, activations, Hessians, scales, written tensors."""

@@ -25,7 +25,7 @@ Who reads them (vLLM 0.32):
     "unexpected" and ``--kv-cache-dtype fp8`` runs with scale 1.0 (or ``--calculate-kv-scales``). The tensors are
     still written, for compound's own runtime and decode loop, and the manifest records their type.
   * compound: ``load_quantized`` attaches them as buffers of ``self_attn``; ``decode_scales`` turns INT8 ones into
-    the decode loop's ``kv_scales`` [layers, 2].
+    the decode loop's ``kv_scales`` [layers, 2], which ``compound decode --kv-cache int8`` runs with.
 """
 
 from __future__ import annotations
@@ -103,3 +103,9 @@ def decode_scales(model: nn.Module, layers_path: str = "model.layers") -> torch.
             return None
         rows.append(torch.stack([getattr(attn, name).float().max() for name in SCALE_NAMES]))
     return torch.stack(rows)  # (layers, 2)
+
+
+def int8_decode_scales(model: nn.Module, manifest: dict) -> torch.Tensor | None:
+    """``decode_scales`` of a checkpoint whose manifest records INT8 KV-cache scales (``quantize --kv-cache int8``);
+    None for any other (no scales, or FP8 ones), whose INT8 cache then scales each token and head as it is written."""
+    return decode_scales(model) if (manifest.get("kv_cache") or {}).get("dtype") == "int8" else None

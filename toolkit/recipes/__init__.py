@@ -18,10 +18,11 @@ Steps, in order, each one call of an existing verb (the steps a recipe has no se
                id (vLLM's ``--speculative-config '{"model": ...}'``). Skipped, saying so, without a Hub client.
 
 Caching: each step's fingerprint is the SHA-256 of its resolved inputs (the settings it reads, not its whole
-section), the fingerprints of the steps it reads from, the model's identity (name and weight hash, as
-``target_identity``; a Hub id by its name alone) and the compound version. ``<output>/.steps/<step>.json`` keeps the fingerprint with the
-step's results; with ``resume`` a step whose fingerprint matches and whose outputs exist is not run again. A changed
-setting therefore reruns that step and every step downstream of it (evaluate and validate read quantize; heads reads
+section), the fingerprints of the steps it reads from, the model's identity (``toolkit.identity.target_identity``:
+a Hub id by the commit it resolves to, local files by their sizes, mtimes and safetensors headers, so planning reads
+no weights) and the compound version. ``<output>/.steps/<step>.json`` keeps the fingerprint with the step's results;
+with ``resume`` a step whose fingerprint matches and whose outputs exist is not run again. A changed setting therefore
+reruns that step and every step downstream of it (evaluate and validate read quantize; heads reads
 quantize; heads_eval reads heads; push reads them all), and nothing else. Gates are checked on every run: they read
 cached results and cost nothing, so tightening a gate never reruns a step.
 """

@@ -19,9 +19,11 @@ def load_recipe(path: Path | str) -> Recipe:
     (with the nearest valid one), wrong types, values out of range, sections the recipe's steps cannot use."""
     path = Path(path)
     try:
-        loader = yaml.SafeLoader(path.read_text())
+        loader = yaml.SafeLoader(path.read_bytes().decode("utf-8"))
     except OSError as err:
         raise RecipeError(f"{path}: cannot read the recipe: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise RecipeError(f"{path}: not UTF-8 text (byte {err.start}); save it as UTF-8") from None
     try:
         root = loader.get_single_node()
         data = loader.construct_document(root) if root is not None else None

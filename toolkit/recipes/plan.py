@@ -49,12 +49,14 @@ def plan(recipe: Recipe) -> list[Step]:
     return planned
 
 
-def step_fingerprints(recipe: Recipe) -> dict[str, str]:
+def step_fingerprints(recipe: Recipe, api=None) -> dict[str, str]:
     """SHA-256 per step of its resolved inputs, upstream fingerprints, model identity and compound version; push's
-    reads every measuring step and the push section."""
-    from toolkit.train_heads import target_identity
+    reads every measuring step and the push section. The model's identity reads no weights: a Hub id's resolved
+    revision (asked of ``api``, an ``HfApi``), a local model's file sizes, mtimes and safetensors headers
+    (``toolkit.identity``)."""
+    from toolkit.identity import target_identity
 
-    model = target_identity(recipe.model)
+    model = target_identity(recipe.model, api)
     prints: dict[str, str] = {}
 
     def digest(name: str, inputs: dict, needs) -> str:

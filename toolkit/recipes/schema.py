@@ -54,7 +54,8 @@ class QuantizeSection:
         try:
             settings = QuantizeSettings(**{k: v for k, v in values.items() if k in names})
         except ConfigError as err:
-            raise SettingError(str(err).split(" ")[0], str(err)) from None
+            key = str(err).split(" ")[0].removeprefix("--").replace("-", "_")  # a flag's message names it "--x-y"
+            raise SettingError(key, str(err)) from None
         options = {k: v for k, v in values.items() if k not in names and k != "method"}
         try:
             config = make_config(method, **options)

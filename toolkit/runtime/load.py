@@ -15,6 +15,7 @@ from torch import nn
 
 from toolkit.formats import PACKED_SUFFIXES, FormatError, Scheme, read_quantization_config
 from toolkit.formats.checkpoint import MANIFEST
+from toolkit.models import check_local_model
 from toolkit.quant.kv_cache import SCALE_NAMES as KV_SCALE_NAMES
 from toolkit.runtime.quant_linear import QuantLinear, backend_problem
 
@@ -38,6 +39,7 @@ def load_quantized(directory: Path | str, dtype: torch.dtype = torch.float32,
     directory = Path(directory)
     if not (directory / "config.json").is_file():
         raise CheckpointError(f"{directory} has no config.json: not a model directory")
+    check_local_model(directory)  # config.json and every safetensors header, each named when it is broken
     config = AutoConfig.from_pretrained(directory)
     quant = getattr(config, "quantization_config", None)
     if quant is None:
@@ -78,7 +80,7 @@ def load_model_or_checkpoint(spec: str, dtype: torch.dtype = torch.float32):
     from toolkit.models import load_model, load_tokenizer
 
     config = Path(spec) / "config.json"
-    if config.is_file() and "quantization_config" in config.read_text():
+    if config.is_file() and b"quantization_config" in config.read_bytes():
         return load_quantized(spec, dtype)
     return load_model(spec, dtype), load_tokenizer(spec)
 
