@@ -147,11 +147,12 @@ def agreement(got: list[list[int]], expected: list[list[int]], n: int, oracle, p
 
 
 @torch.inference_mode()
-def loop_perplexity(model, windows: torch.Tensor, kv_dtype=None) -> float:
-    """exp(mean NLL) of windows [W, T], each prefilled into compound's cache from slot 0."""
+def loop_perplexity(model, windows: torch.Tensor, kv_dtype=None, kv_scales=None) -> float:
+    """exp(mean NLL) of windows [W, T], each prefilled into compound's cache from slot 0 (an INT8 cache with fixed
+    ``kv_scales`` when given, else scaled per token and head)."""
     from toolkit.decode import Decoder
 
-    decoder = Decoder.from_model(model, windows.shape[1], kv_dtype)
+    decoder = Decoder.from_model(model, windows.shape[1], kv_dtype, kv_scales=kv_scales)
     nll, count = 0.0, 0
     for window in windows:
         logits, _ = decoder(window, 0)  # (T, vocab)

@@ -108,7 +108,7 @@ def test_validate_heads_dtype_and_categories_are_checked_before_any_work(tmp_pat
     assert entries(tmp_path) == before
 
 
-# ---- item 11: the calibrated INT8 KV-cache scales are what compound decode runs with -----------------------------
+# ---- item 11: the calibrated INT8 KV-cache scales are what compound decode runs with, asked for ----------------------------
 
 def test_decode_runs_with_a_checkpoints_int8_scales(tmp_path, tiny_llama_dir):
     import torch
@@ -122,17 +122,20 @@ def test_decode_runs_with_a_checkpoints_int8_scales(tmp_path, tiny_llama_dir):
     scaled = quantize(str(tiny_llama_dir), RTNConfig(group_size=32), tmp_path / "int8", calibration,
                       QuantizeSettings(kv_cache="int8")).output
     plain = quantize(str(tiny_llama_dir), RTNConfig(group_size=32), tmp_path / "plain").output
-    for checkpoint, scaling in ((scaled, "calibrated scales"), (plain, "per-token scales")):
-        result = run("decode", "--model", checkpoint, "--prompt", "Hi", "--max-new-tokens", "2", "--kv-cache", "int8")
+    for checkpoint, cache, scaling in ((scaled, "int8-static", "calibrated scales"), (scaled, "int8", "per-token scales"),
+                                       (plain, "int8", "per-token scales")):
+        result = run("decode", "--model", checkpoint, "--prompt", "Hi", "--max-new-tokens", "2", "--kv-cache", cache)
         assert result.exit_code == 0, result.output
-        assert f"KV cache int8, {scaling}" in " ".join(result.output.split())
+        assert f"KV cache {cache}, {scaling}" in " ".join(result.output.split())
+    conftest_refused(run("decode", "--model", plain, "--prompt", "Hi", "--kv-cache", "int8-static"), "--kv-cache int8-static",
+                     "has none")
     model, _ = load_quantized(scaled)
     manifest = read_manifest(scaled)
     torch.testing.assert_close(int8_decode_scales(model, manifest), decode_scales(model))
     fp8 = {**manifest, "kv_cache": {**manifest["kv_cache"], "dtype": "fp8"}}
     assert int8_decode_scales(model, fp8) is None  # amax / 448 would saturate an INT8 cache
     help_text = " ".join(run("quantize", "--help", COLUMNS="200").output.split())
-    assert "compound decode --kv-cache int8" in help_text
+    assert "compound decode --kv-cache int8-static" in help_text
 
 
 # ---- item 13: torch.load never unpickles arbitrary objects --------------------------------------------------------

@@ -337,3 +337,19 @@ def test_a_heads_export_follows_the_umask(runs, umask_022):
     found = modes(out)
     assert found.pop(".") == 0o755 and "model.safetensors" in found
     assert set(found.values()) == {0o644}, found
+
+
+def test_every_writer_removes_the_leftovers_of_killed_runs_for_its_output(tmp_path):
+    """convert, heads exports and eval reports write through atomic_directory: a killed run's siblings for the same
+    output go (with a warning naming them), a live run's and other outputs' stay."""
+    output = tmp_path / "heads"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".heads.tmp-{int(dead.stdout)}-0123abcd"
+    live = tmp_path / f".heads.tmp-{os.getpid()}-89abcdef"
+    other = tmp_path / f".other.tmp-{int(dead.stdout)}-0123abcd"
+    for path in (stale, live, other):
+        path.mkdir()
+    with pytest.warns(UserWarning, match=f"removed 1 leftover.*{stale.name}"):
+        with atomic_directory(output) as staging:
+            (staging / "x").write_text("x")
+    assert not stale.exists() and live.exists() and other.exists() and (output / "x").read_text() == "x"

@@ -72,8 +72,8 @@ class QuantizeSettings:
     dtype: str = option("float16", "dtype of unquantized tensors and scales: float16 | bfloat16 | float32 (vLLM's "
                         "int4 kernels take half precision only).", choices=("float16", "bfloat16", "float32"))
     kv_cache: str | None = option(None, "Also calibrate static KV-cache scales: fp8 (vLLM --kv-cache-dtype fp8; read "
-                                  "from compressed-tensors checkpoints) | int8 (`compound decode --kv-cache int8` "
-                                  "stores its cache with them).",
+                                  "from compressed-tensors checkpoints) | int8 (`compound decode --kv-cache "
+                                  "int8-static` stores its cache with them).",
                                   choices=tuple(kv.QMAX))
     kv_cache_strategy: str = option("tensor", "KV-cache scales per layer (tensor) or per KV head (attn_head).",
                                     choices=kv.STRATEGIES)

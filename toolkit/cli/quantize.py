@@ -114,9 +114,9 @@ def decode(
     prompt: str = typer.Option(..., help="The user message; rendered with the model's chat template."),
     max_new_tokens: int = typer.Option(64, help="Tokens to generate at most (stops early at end-of-sequence)."),
     temperature: float = typer.Option(0.0, help="0: greedy; above 0: sample at this temperature."),
-    kv_cache: CacheName = typer.Option("float", help="KV cache: float (the model dtype) | int8 (with a checkpoint's "
-                                       "calibrated INT8 scales, from quantize --kv-cache int8; else per token and "
-                                       "head)."),
+    kv_cache: CacheName = typer.Option("float", help="KV cache: float (the model dtype) | int8 (scales per token "
+                                       "and head) | int8-static (the checkpoint's calibrated scales, from quantize "
+                                       "--kv-cache int8: what a static-scale engine stores; BENCHMARKS.md)."),
     seed: int = typer.Option(0, help="Sampling seed."),
 ):
     """Generate a reply with compound's decode loop (static KV cache) and print its statistics."""
@@ -132,14 +132,17 @@ def decode(
         loaded, tokenizer = load_model_or_checkpoint(model, torch.float32)
         ids = chat_prompt_ids(tokenizer, prompt)
         check_context(loaded.config, len(ids), max_new_tokens)
-        scales = int8_decode_scales(loaded, read_manifest(model)) if kv_cache == "int8" else None
+        scales = int8_decode_scales(loaded, read_manifest(model)) if kv_cache == "int8-static" else None
+        if kv_cache == "int8-static" and scales is None:
+            raise ValueError(f"--kv-cache int8-static needs a checkpoint with INT8 KV-cache scales; {model} has none "
+                             "(make one with compound quantize --kv-cache int8, or use --kv-cache int8)")
         decoder = Decoder.from_model(loaded, len(ids) + max_new_tokens, CACHE_DTYPES[kv_cache], scales,
                                      fast_head=sampling is None)  # greedy: the argmax is all it reads
         out, stats = generate(decoder, ids, max_new_tokens, sampling, eos_token_id=tokenizer.eos_token_id)
     except (*user_errors(), DecodeError, ValueError) as err:
         fail(err)
     Console().print(tokenizer.decode(out[len(ids):], skip_special_tokens=True), markup=False, highlight=False)
-    scaling = "" if kv_cache == "float" else ", calibrated scales" if scales is not None else ", per-token scales"
+    scaling = {"float": "", "int8": ", per-token scales", "int8-static": ", calibrated scales"}[kv_cache]
     table = Table(title=f"compound decode: {'greedy' if sampling is None else f'T={temperature}'}, "
                         f"KV cache {kv_cache}{scaling}")
     table.add_column("measure")

@@ -21,7 +21,9 @@ from __future__ import annotations
 import torch
 
 INT8_MAX = 127
-CACHE_DTYPES = {"float": None, "int8": torch.int8}  # ``compound decode --kv-cache``: None stores the model dtype
+# ``compound decode --kv-cache``: None stores the model dtype; int8 scales each token and head as it is written,
+# int8-static uses the static scales a checkpoint calibrated (``quantize --kv-cache int8``)
+CACHE_DTYPES = {"float": None, "int8": torch.int8, "int8-static": torch.int8}
 
 
 def quantize_int8(x: torch.Tensor, scale: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor]:

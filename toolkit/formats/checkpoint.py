@@ -24,6 +24,7 @@ import re
 import secrets
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,12 +52,17 @@ class OutputError(OSError):
 @contextmanager
 def atomic_directory(output: Path, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory that becomes ``output`` when the block exits cleanly, and vanishes otherwise.
+    Leftovers of killed runs for the same ``output`` are removed first, with a warning naming them.
 
     An ``OSError`` of writing (a full disk, a read-only file system, or any error on a file inside the directory)
     is raised as an ``OutputError`` naming ``output``."""
     output = Path(output)
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
+    removed = remove_leftovers(output)  # what killed runs for this output left (quantize says so itself, earlier)
+    if removed:
+        warnings.warn(f"removed {len(removed)} leftover(s) of killed runs for {output.name} in {output.parent}: "
+                      f"{', '.join(removed)}", stacklevel=3)
     staging = _make_sibling(output, "tmp")
     with _removed_on_failure(staging, output):
         yield staging
