@@ -103,3 +103,11 @@ def refused(result, *needles: str, usage: bool = False) -> str:
     for needle in needles:
         assert "".join(needle.split()) in squeezed, (needle, result.output)
     return text
+
+
+@pytest.fixture
+def runs(tmp_path):
+    """An empty directory to hold a CLI case's output (a refused case must leave it as empty as it found it)."""
+    path = tmp_path / "runs"
+    path.mkdir()
+    return path

@@ -26,12 +26,10 @@ def run(*args):
 
 
 @pytest.fixture
-def runs(tmp_path):
-    """An empty directory to hold the output: a case must leave it as empty as it found it."""
-    path = tmp_path / "runs"
-    path.mkdir()
-    yield path
-    assert list(path.iterdir()) == []
+def runs(runs):
+    """conftest's ``runs``, checked to be empty again when the case ends."""
+    yield runs
+    assert list(runs.iterdir()) == []
 
 
 def copy_model(source, target, config=None, truncate=None):

@@ -29,14 +29,6 @@ def run(*args):
     return runner.invoke(app, [str(a) for a in args])
 
 
-@pytest.fixture
-def runs(tmp_path):
-    """An empty directory to hold the output: a case must leave it as empty as it found it."""
-    path = tmp_path / "runs"
-    path.mkdir()
-    return path
-
-
 def model_dir(root, tokenizer, name, value, tensor="model.layers.1.mlp.down_proj.weight"):
     """A tiny Llama directory whose ``tensor`` has ``value`` at [0, 0]."""
     from conftest import tiny_model
