@@ -42,15 +42,30 @@ def smol_tokenizer():
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
-def tiny_config(model_type: str, hidden: int = 64, layers: int = 2, vocab: int = SMOL_VOCAB):
-    """A small random-init config of a supported family (shapes chosen so group sizes 32/64 divide every width)."""
-    from transformers import GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config
+# What each family's tiny config sets beyond the common shapes, so that what sets it apart from Llama is exercised:
+# windows shorter than the test sequences, Gemma 2's score scale and caps at the size of a random model's scores and
+# logits, Gemma 3's two layer types with RoPE schemes of their own.
+FAMILY_EXTRAS = {
+    "mistral": dict(sliding_window=6),
+    "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "gemma2": dict(sliding_window=6, query_pre_attn_scalar=32, attn_logit_softcapping=0.05,
+                   final_logit_softcapping=30.0),
+    "gemma3_text": dict(sliding_window=6, query_pre_attn_scalar=32,
+                        layer_types=["sliding_attention", "full_attention"],
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                            "rope_theta": 1000000.0}}),
+}
+
+
+def tiny_config(model_type: str, hidden: int = 64, layers: int = 2, vocab: int = SMOL_VOCAB, **overrides):
+    """A small random-init config of a supported family (shapes chosen so group sizes 32/64 divide every width), built
+    from its transformers config class with ``FAMILY_EXTRAS`` (sized for hidden 64) and ``overrides``."""
+    from transformers import AutoConfig
 
     common = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=256)
-    if model_type == "gemma":
-        return GemmaConfig(head_dim=hidden // 4, **common)
-    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[model_type](**common)
+                  num_key_value_heads=2, head_dim=hidden // 4, vocab_size=vocab, max_position_embeddings=256)
+    return AutoConfig.for_model(model_type, **{**common, **FAMILY_EXTRAS.get(model_type, {}), **overrides})
 
 
 def tiny_model(model_type: str = "llama", **kwargs):
@@ -59,6 +74,23 @@ def tiny_model(model_type: str = "llama", **kwargs):
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(tiny_config(model_type, **kwargs)).eval()
+
+
+BYTE_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer of exactly 256 ids (one per byte, no merges, no special tokens) with a plain chat
+    template, built in memory: calibration data for models of ``vocab=256``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokenizer = Tokenizer(models.BPE({char: i for i, char in enumerate(sorted(alphabet))}, []))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=BYTE_CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="session")

@@ -1,30 +1,34 @@
-"""The architecture table and its three readers (models, decode, EAGLE heads) agree, on a tiny model of every family."""
+"""The architecture table and its three readers (models, decode, EAGLE heads) agree, on a tiny model of every family;
+the README lists what it declares, and the CLI refuses a family outside it."""
+
+from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import byte_tokenizer, refused, tiny_config
 from toolkit.architectures import FAMILIES, UnsupportedFamily, family, supporting
 from toolkit.decode import DecodeError, Decoder
 from toolkit.heads.eagle import EagleHead
-from toolkit.models import ModelError, arch_spec, decoder_layers
+from toolkit.models import ModelError, arch_spec, decoder_layers, layer_linears
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def family_model(model_type: str):
     """A seeded random tiny causal LM built from the transformers config class of ``model_type`` (no download)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
-                                  max_position_embeddings=64)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
+    return AutoModelForCausalLM.from_config(tiny_config(model_type, vocab=128)).eval()
 
 
 def test_coverage_is_what_compound_supports():
-    assert supporting() == ("gemma", "gemma2", "llama", "mistral", "qwen2", "qwen3")
-    assert supporting("decode") == ("gemma", "llama", "mistral", "qwen2", "qwen3")
+    every = ("gemma", "gemma2", "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
+    assert supporting() == every
+    assert supporting("decode") == every
     assert supporting("eagle") == ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -38,13 +42,15 @@ def test_every_reader_follows_the_table(model_type):
     for prev, names in entry.awq_groups:
         for name in (prev, *names):
             layer.get_submodule(name)  # raises when a scaling group names no module of the layer
+    # q/k/v and gate/up, separate or fused, and with o_proj and down_proj every linear of the layer
+    assert set(layer_linears(layer)) == {*entry.qkv, *entry.gate_up, "self_attn.o_proj", "mlp.down_proj"}
     assert hasattr(layer.self_attn, "q_norm") == entry.qk_norm
+    assert hasattr(layer, "post_feedforward_layernorm") == entry.post_norms
+    layer.get_submodule(entry.mlp_norm)
+    assert hasattr(model.model.rotary_emb, "inv_freq") != entry.rope_by_layer_type
     if entry.decode:
         logits, _ = Decoder.from_model(model, max_len=8)(torch.arange(4), 0)
         assert logits.shape == (4, 128) and torch.isfinite(logits).all()
-    else:
-        with pytest.raises(DecodeError, match=f"does not support model_type '{model_type}'; it decodes gemma, llama"):
-            Decoder.from_model(model, max_len=8)
     if entry.eagle:
         assert EagleHead.from_target(model, "eagle").config.hidden_size == 64
     else:
@@ -54,19 +60,65 @@ def test_every_reader_follows_the_table(model_type):
 
 
 def test_an_unknown_family_is_refused_naming_the_supported_ones():
-    with pytest.raises(UnsupportedFamily, match=r"'gpt2' is not supported; supported: gemma, gemma2, llama, "
-                                                r"mistral, qwen2, qwen3$"):
+    with pytest.raises(UnsupportedFamily, match=r"'gpt2' is not supported; supported: gemma, gemma2, gemma3_text, "
+                                                r"llama, mistral, phi3, qwen2, qwen3$"):
         family("gpt2")
-    with pytest.raises(UnsupportedFamily, match=r"'gemma2' is not supported for decode; supported: gemma, llama"):
-        family("gemma2", "decode")
+    with pytest.raises(UnsupportedFamily, match=r"'gemma2' is not supported for eagle; supported: llama, mistral"):
+        family("gemma2", "eagle")
     with pytest.raises(ValueError, match="unknown capability 'train'; one of decode, eagle"):
         supporting("train")
 
     model = family_model("llama")
     model.config.model_type = "gpt2"
-    with pytest.raises(ModelError, match=r"unsupported architecture 'gpt2': compound quantizes gemma, gemma2, llama"):
+    with pytest.raises(ModelError, match=r"unsupported architecture 'gpt2': compound quantizes gemma, gemma2, "
+                                         r"gemma3_text, llama, mistral, phi3, qwen2, qwen3$"):
         decoder_layers(model)
-    with pytest.raises(DecodeError, match="does not support model_type 'gpt2'"):
+    with pytest.raises(DecodeError, match="does not support model_type 'gpt2'; it decodes gemma, gemma2"):
         Decoder.from_model(model, max_len=8)
     with pytest.raises(ValueError, match="EAGLE heads for model_type 'gpt2' are not supported"):
         EagleHead.from_target(model, "eagle")
+
+
+def test_the_cli_refuses_an_unknown_family_naming_the_supported_ones(tmp_path, runs):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from typer.testing import CliRunner
+
+    from toolkit.cli import app
+
+    model = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=256)).save_pretrained(model)
+    byte_tokenizer().save_pretrained(model)
+    result = CliRunner().invoke(app, ["quantize", "--model", str(model), "--output", str(runs / "q")])
+    refused(result, "unsupported architecture 'gpt2'", ", ".join(supporting()))
+    assert list(runs.iterdir()) == []
+
+
+README_COLUMNS = ("model_type", "quantize", "formats", "decode", "heads")
+
+
+def readme_families() -> dict[str, dict[str, str]]:
+    """The rows of the README's table of supported families: model_type → {column: cell}."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = lines.index("| model_type | quantize | formats | decode | heads | vLLM CPU | differs from Llama |")
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip().strip("`") for cell in line.strip("|").split("|")]
+        rows[cells[0]] = dict(zip(README_COLUMNS, cells))
+    return rows
+
+
+def test_the_readme_lists_what_the_table_declares():
+    from toolkit.formats import FORMATS
+    from toolkit.quant.configs import METHODS
+
+    rows = readme_families()
+    assert tuple(rows) == supporting()
+    for name, row in rows.items():
+        entry = FAMILIES[name]
+        assert row["quantize"] == ", ".join(METHODS), name
+        assert row["formats"] == ", ".join(FORMATS), name
+        assert row["decode"] == ("yes" if entry.decode else "no"), name
+        heads = (["medusa"] if entry.decode else []) + (["eagle", "eagle3"] if entry.eagle else [])
+        assert row["heads"] == (", ".join(heads) or "none"), name

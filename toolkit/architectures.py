@@ -3,18 +3,24 @@
 Linears inside a decoder layer are found by module type and how they share inputs is traced at run time
 (``toolkit.engine.loop``); an entry holds only what tracing cannot reveal. How each family differs from Llama:
 
-| model_type | differs from Llama                                                                          |
-|------------|---------------------------------------------------------------------------------------------|
-| llama      | (the reference) RMSNorm ``w · x̂``, SiLU-gated MLP, RoPE over the whole head                |
-| mistral    | a sliding attention window when ``config.sliding_window`` is set                            |
-| qwen2      | q/k/v biases (inside the linears); a window only on ``sliding_attention`` layers            |
-| qwen3      | per-head RMSNorm of q and k before RoPE                                                     |
-| gemma      | RMSNorm ``(1 + w) · x̂``, embeddings × sqrt(hidden_size), gelu-tanh MLP, explicit head_dim |
-| gemma2     | Gemma's, plus norms after attention and after the MLP, gate/up read ``pre_feedforward_layernorm``, |
-|            | soft-capped attention and final logits                                                      |
+| model_type  | differs from Llama                                                                             |
+|-------------|------------------------------------------------------------------------------------------------|
+| llama       | (the reference) RMSNorm ``w · x̂``, SiLU-gated MLP, RoPE over the whole head                   |
+| mistral     | a sliding attention window when ``config.sliding_window`` is set                               |
+| qwen2       | q/k/v biases (inside the linears); a window only on ``sliding_attention`` layers               |
+| qwen3       | per-head RMSNorm of q and k before RoPE                                                        |
+| phi3        | q/k/v fused in ``self_attn.qkv_proj`` (rows q, k, v) and gate/up in ``mlp.gate_up_proj`` (rows |
+|             | gate, up), kept fused on disk as vLLM's Phi-3 loader reads them                                |
+| gemma       | RMSNorm ``(1 + w) · x̂``, embeddings × sqrt(hidden_size), gelu-tanh MLP, explicit head_dim    |
+| gemma2      | Gemma's, plus norms after attention and after the MLP (gate/up read                            |
+|             | ``pre_feedforward_layernorm``), scores scaled by ``query_pre_attn_scalar``^-0.5, soft-capped   |
+|             | attention and final logits, a window on the ``sliding_attention`` layers                       |
+| gemma3_text | Gemma 2's layer with per-head q/k norms, and RoPE frequencies per layer type (a local base on  |
+|             | sliding layers, the global one with its scaling on full ones); soft-capping only where set     |
 
-What compound does with each: every family quantizes; ``decode`` marks those ``toolkit.decode`` runs and ``eagle``
-those EAGLE heads (``toolkit.heads.eagle``) can draft for.
+What compound does with each: every family quantizes to every format; ``decode`` marks those ``toolkit.decode`` runs
+(and so Medusa heads, selected in that loop) and ``eagle`` those EAGLE heads (``toolkit.heads.eagle``) can draft for.
+A Mixture-of-Experts layout is one more field of an entry (its experts and router replace the dense MLP).
 """
 
 from __future__ import annotations
@@ -22,49 +28,77 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
+
 
 @dataclass(frozen=True)
 class Family:
     """What compound must know about one decoder family beyond what tracing reveals.
 
-    layers: dotted path of the decoder-layer ModuleList. norm_offset: RMSNorm computes x·(offset + weight) (Gemma: 1),
-    in float32 when nonzero; it matters when AWQ folds scales into a norm. embed_scale: embeddings × sqrt(hidden_size)
-    (Gemma). qk_norm: per-head RMSNorm of q and k before RoPE (Qwen3). awq_groups: (preceding module, linears sharing
-    its output) per decoder layer, the scaling groups of AWQ (arXiv 2306.00978 §3.2), paths relative to the layer.
-    decode: ``toolkit.decode`` runs it. eagle: EAGLE heads can draft for it.
+    layers: dotted path of the decoder-layer ModuleList. qkv / gate_up: the linears, relative to the layer, whose
+    outputs are q, k, v and gate, up: three and two modules, or one fused module whose output rows are those parts in
+    that order. norm_offset: RMSNorm computes x·(offset + weight) (Gemma: 1), in float32 when nonzero; it matters
+    when AWQ folds scales into a norm. embed_scale: embeddings × sqrt(hidden_size) (Gemma). qk_norm: per-head RMSNorm
+    of q and k before RoPE (Qwen3, Gemma 3). post_norms: RMSNorm of the attention output (``post_attention_layernorm``)
+    and of the MLP output (``post_feedforward_layernorm``) before each residual add, the MLP reading
+    ``pre_feedforward_layernorm`` (Gemma 2/3). query_pre_attn_scalar: attention scores scaled by
+    ``config.query_pre_attn_scalar``^-0.5 instead of head_dim^-0.5. softcap: ``config.attn_logit_softcapping`` and
+    ``config.final_logit_softcapping`` (each where not None) cap scores and logits as ``c · tanh(x / c)``.
+    rope_by_layer_type: ``config.rope_parameters`` holds one scheme per layer type, the rotary module one
+    ``{layer_type}_inv_freq`` each (Gemma 3). awq_groups: (preceding module, linears sharing its output) per decoder
+    layer, the scaling groups of AWQ (arXiv 2306.00978 §3.2), paths relative to the layer. decode: ``toolkit.decode``
+    runs it. eagle: EAGLE heads can draft for it.
     """
 
     layers: str = "model.layers"
+    qkv: tuple[str, ...] = _QKV
+    gate_up: tuple[str, ...] = _GATE_UP
     norm_offset: float = 0.0
     embed_scale: bool = False
     qk_norm: bool = False
+    post_norms: bool = False
+    query_pre_attn_scalar: bool = False
+    softcap: bool = False
+    rope_by_layer_type: bool = False
     awq_groups: tuple[tuple[str, tuple[str, ...]], ...] = (
-        ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        ("input_layernorm", _QKV),
         ("self_attn.v_proj", ("self_attn.o_proj",)),
-        ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+        ("post_attention_layernorm", _GATE_UP),
         ("mlp.up_proj", ("mlp.down_proj",)),
     )
     decode: bool = True
     eagle: bool = True
 
+    @property
+    def mlp_norm(self) -> str:
+        """The norm whose output the MLP reads."""
+        return "pre_feedforward_layernorm" if self.post_norms else "post_attention_layernorm"
+
 
 _LLAMA = Family()
 # The EAGLE head is a Llama layer over the target's embedding: no embedding scale, RoPE over the whole head.
 _GEMMA = dataclasses.replace(_LLAMA, norm_offset=1.0, embed_scale=True, eagle=False)
+_GEMMA2 = dataclasses.replace(
+    _GEMMA, post_norms=True, query_pre_attn_scalar=True, softcap=True,
+    awq_groups=tuple(("pre_feedforward_layernorm", names) if prev == "post_attention_layernorm" else (prev, names)
+                     for prev, names in _GEMMA.awq_groups),
+)
 
 FAMILIES: dict[str, Family] = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
     "qwen3": dataclasses.replace(_LLAMA, qk_norm=True),
-    "gemma": _GEMMA,
-    # gate/up read pre_feedforward_layernorm; toolkit.decode has neither the extra norms nor the soft-capping
-    "gemma2": dataclasses.replace(
-        _GEMMA,
-        awq_groups=tuple(("pre_feedforward_layernorm", names) if prev == "post_attention_layernorm" else (prev, names)
-                         for prev, names in _GEMMA.awq_groups),
-        decode=False,
+    # A fused linear → linear group (v rows of qkv_proj → o_proj, up rows of gate_up_proj → down_proj) would fold
+    # into part of the fused rows; those two groups are left out, so o_proj and down_proj are only clipped.
+    "phi3": dataclasses.replace(
+        _LLAMA, qkv=("self_attn.qkv_proj",), gate_up=("mlp.gate_up_proj",), eagle=False,
+        awq_groups=(("input_layernorm", ("self_attn.qkv_proj",)), ("post_attention_layernorm", ("mlp.gate_up_proj",))),
     ),
+    "gemma": _GEMMA,
+    "gemma2": _GEMMA2,
+    "gemma3_text": dataclasses.replace(_GEMMA2, qk_norm=True, rope_by_layer_type=True),
 }
 CAPABILITIES = ("decode", "eagle")
 

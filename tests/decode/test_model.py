@@ -5,10 +5,11 @@ import torch
 from torch import nn
 
 from conftest import tiny_config, tiny_model
+from toolkit.architectures import supporting
 from toolkit.decode import Decoder, DecodeError
 from toolkit.decode.tree import ancestor_mask, depths
 
-FAMILIES = ["llama", "qwen2", "mistral", "gemma", "qwen3"]
+FAMILIES = supporting("decode")
 VOCAB = 256
 
 
@@ -28,19 +29,10 @@ def spread(model, logit_scale=40.0):
 
 
 def family_model(model_type, **config_overrides):
-    if model_type == "qwen3":
-        from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
-        config = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=256)
-    else:
-        from transformers import AutoModelForCausalLM
-
-        config = tiny_config(model_type, vocab=VOCAB)
-    for key, value in config_overrides.items():
-        setattr(config, key, value)
     torch.manual_seed(0)
-    return spread(AutoModelForCausalLM.from_config(config).eval())
+    return spread(AutoModelForCausalLM.from_config(tiny_config(model_type, vocab=VOCAB, **config_overrides)).eval())
 
 
 def hf_logits(model, ids):
@@ -83,7 +75,7 @@ def test_decoder_shares_the_model_tensors():
     model = family_model("llama")
     decoder = Decoder.from_model(model, max_len=8)
     assert decoder.embed.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    assert decoder.layers[0].q_proj is model.model.layers[0].self_attn.q_proj
+    assert decoder.layers[0].qkv.linears[0] is model.model.layers[0].self_attn.q_proj
 
 
 def test_sliding_window_matches_transformers():
@@ -107,7 +99,7 @@ def path_to(node, parents):
     return path[::-1]
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma", "mistral"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma", "mistral", "gemma2", "gemma3_text", "phi3"])
 def test_tree_forward_equals_separate_sequences(model_type):
     model = family_model(model_type, **({"sliding_window": 7} if model_type == "mistral" else {}))
     g = torch.Generator().manual_seed(3)
@@ -206,8 +198,8 @@ def test_unsupported_models_are_refused_with_the_fix():
     with pytest.raises(DecodeError, match="'dynamic' is not supported.*default, linear, llama3, yarn"):
         Decoder.from_model(model, max_len=8)
     model.config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
-    model.config.model_type = "gemma2"
-    with pytest.raises(DecodeError, match="does not support model_type 'gemma2'"):
+    model.config.model_type = "gpt2"
+    with pytest.raises(DecodeError, match="does not support model_type 'gpt2'"):
         Decoder.from_model(model, max_len=8)
 
 

@@ -1,15 +1,19 @@
-"""A compact decoder forward for the Llama family, with a static KV cache and tree attention.
+"""A compact decoder forward for the Llama, Qwen, Phi-3 and Gemma families, with a static KV cache and tree attention.
 
 In the spirit of gpt-fast's ``model.py``: one readable forward, but built *over* a loaded transformers model. Every
 linear is called as the model's own module (so a ``QuantLinear`` or any module with ``forward(x)`` just works; the
-linears that share an input go through ``SharedInputLinears``, which runs int4 q/k/v or gate/up as one matmul) and
+linears that share an input go through ``SharedInputLinears``, which runs int4 q/k/v or gate/up as one matmul; a
+family that fuses them in one linear, Phi-3's ``qkv_proj`` and ``gate_up_proj``, has its output split by rows) and
 every norm weight and the embedding are the model's tensors, shared and never copied. What this adds is what serving
 needs and ``transformers`` does not expose simply: a preallocated KV cache (``toolkit.decode.kv_cache``), a forward
 over a *tree* of candidate tokens (each node attends to the cached prefix and its own ancestors, at position
 ``start + depth``), and cache compaction to the accepted path (SpecInfer, arXiv 2305.09781 §4; Medusa, 2401.10774 §2.3).
 
 Families differ only by data (``toolkit.architectures.FAMILIES``, whose docstring tables how each differs from Llama;
-those with ``decode`` set run here), and everything else is read from the config.
+those with ``decode`` set run here), and everything else is read from the config: the window of each
+``sliding_attention`` layer, and where the family's entry says so, the score scale (``query_pre_attn_scalar``), the
+soft-caps of scores and logits (``c · tanh(x / c)``) and RoPE frequencies per layer type. Soft-capped scores run as an
+explicit softmax (``scaled_dot_product_attention`` cannot cap), in fp32 as transformers' eager attention does.
 
 RoPE: the static frequency schemes (default, linear, llama3, yarn) are read from the model's rotary module; schemes
 whose frequencies change with the sequence length (dynamic NTK, longrope) are refused.
@@ -38,24 +42,25 @@ _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
 @dataclass
 class _Layer:
-    """One decoder layer: the model's own modules and tensors, plus its attention window (None = full)."""
+    """One decoder layer: the model's own modules and tensors, its attention window (None = full) and the key of its
+    RoPE table (the layer type where frequencies differ by type, else None).
+
+    qkv / gate_up: q, k, v and gate, up as three and two linears, or one fused linear each (split by rows).
+    post_attn_norm / post_mlp_norm: the norms of the attention and MLP outputs (Gemma 2/3), else None.
+    """
 
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
-    q_proj: nn.Module
-    k_proj: nn.Module
-    v_proj: nn.Module
+    post_attn_norm: torch.Tensor | None
+    post_mlp_norm: torch.Tensor | None
+    qkv: SharedInputLinears
     o_proj: nn.Module
-    gate_proj: nn.Module
-    up_proj: nn.Module
+    gate_up: SharedInputLinears
     down_proj: nn.Module
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     window: int | None
-
-    def __post_init__(self):
-        self.qkv = SharedInputLinears([self.q_proj, self.k_proj, self.v_proj])
-        self.gate_up = SharedInputLinears([self.gate_proj, self.up_proj])
+    rope: str | None
 
 
 class Decoder:
@@ -84,29 +89,37 @@ class Decoder:
         self.device = self.embed.device
         from transformers.activations import ACT2FN
 
-        self.act = ACT2FN[config.hidden_act]
+        self.act = ACT2FN[getattr(config, "hidden_activation", None) or config.hidden_act]  # Gemma 2/3 name it so
         self.embed_scale = (torch.tensor(config.hidden_size**0.5, dtype=self.dtype).item()
                             if self.family.embed_scale else 1.0)
-        layer_types = getattr(config, "layer_types", None)
-        self.layers = []
-        for i, layer in enumerate(base.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            sliding = layer_types is None or layer_types[i] == "sliding_attention"
-            window = getattr(config, "sliding_window", None) if sliding else None
-            self.layers.append(_Layer(
-                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj,
-                attn.q_norm.weight if self.family.qk_norm else None,
-                attn.k_norm.weight if self.family.qk_norm else None,
-                window,
-            ))
-        self.inv_freq, self.attention_scaling = rope_frequencies(model)
+        self.scale = (config.query_pre_attn_scalar if self.family.query_pre_attn_scalar else self.head_dim) ** -0.5
+        self.attn_softcap = getattr(config, "attn_logit_softcapping", None) if self.family.softcap else None
+        self.final_softcap = getattr(config, "final_logit_softcapping", None) if self.family.softcap else None
+        self.layers = [self._layer(i, layer) for i, layer in enumerate(base.layers)]
+        self.rope = {key: rope_frequencies(model, key) for key in {layer.rope for layer in self.layers}}
         if feature_layers is not None and (list(feature_layers) != sorted(set(feature_layers))
                                            or not all(0 <= i < len(self.layers) for i in feature_layers)):
             raise DecodeError(f"feature_layers {list(feature_layers)} must be increasing decoder-layer indices in "
                               f"[0, {len(self.layers)})")
         self.feature_layers = tuple(feature_layers) if feature_layers else None
         self.setup_cache(max_len, kv_dtype, kv_scales)
+
+    def _layer(self, i: int, layer: nn.Module) -> _Layer:
+        """Decoder layer ``i``'s modules and tensors, as the family's entry names them."""
+        fam, config = self.family, self.config
+        layer_types = getattr(config, "layer_types", None)
+        sliding = layer_types is None or layer_types[i] == "sliding_attention"
+        attn = layer.self_attn
+        return _Layer(
+            layer.input_layernorm.weight, layer.get_submodule(fam.mlp_norm).weight,
+            layer.post_attention_layernorm.weight if fam.post_norms else None,
+            layer.post_feedforward_layernorm.weight if fam.post_norms else None,
+            SharedInputLinears([layer.get_submodule(name) for name in fam.qkv]), attn.o_proj,
+            SharedInputLinears([layer.get_submodule(name) for name in fam.gate_up]), layer.mlp.down_proj,
+            attn.q_norm.weight if fam.qk_norm else None, attn.k_norm.weight if fam.qk_norm else None,
+            getattr(config, "sliding_window", None) if sliding else None,
+            layer_types[i] if fam.rope_by_layer_type else None,
+        )
 
     @classmethod
     def from_model(cls, model: nn.Module, max_len: int, kv_dtype: torch.dtype | None = None,
@@ -129,10 +142,12 @@ class Decoder:
         self.max_len = max_len
         self.cache = KVCache(len(self.layers), self.n_kv_heads, max_len, self.head_dim, self.dtype, kv_dtype,
                              kv_scales, self.device)
-        freqs = torch.outer(torch.arange(max_len, device=self.device).float(), self.inv_freq.float())
-        emb = torch.cat((freqs, freqs), dim=-1)  # (max_len, head_dim): the rotate-half layout of HF checkpoints
-        self.cos = (emb.cos() * self.attention_scaling).to(self.dtype)
-        self.sin = (emb.sin() * self.attention_scaling).to(self.dtype)
+        self.rope_tables = {}  # RoPE key → (cos, sin), each (max_len, head_dim)
+        for key, (inv_freq, attention_scaling) in self.rope.items():
+            freqs = torch.outer(torch.arange(max_len, device=self.device).float(), inv_freq.float())
+            emb = torch.cat((freqs, freqs), dim=-1)  # (max_len, head_dim): the rotate-half layout of HF checkpoints
+            self.rope_tables[key] = ((emb.cos() * attention_scaling).to(self.dtype),
+                                     (emb.sin() * attention_scaling).to(self.dtype))
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int, depth: torch.Tensor | None = None,
@@ -152,7 +167,7 @@ class Decoder:
                               f"rebuild with Decoder.from_model(model, max_len>={end})")
         offsets = torch.arange(T, device=self.device) if depth is None else depth.to(self.device)
         positions = start + offsets
-        cos, sin = self.cos[positions], self.sin[positions]  # (T, head_dim)
+        rope = {key: (cos[positions], sin[positions]) for key, (cos, sin) in self.rope_tables.items()}  # (T, hd)
         masks = {w: self._mask(start, positions, tree_mask, w) for w in {layer.window for layer in self.layers}}
 
         x = F.embedding(tokens.to(self.device), self.embed)  # (T, D)
@@ -162,21 +177,31 @@ class Decoder:
         for i, layer in enumerate(self.layers):
             if self.feature_layers and i in self.feature_layers:
                 features.append(x)
-            x = x + self._attention(i, layer, self._rms_norm(x, layer.attn_norm), start, cos, sin, masks[layer.window])
-            h = self._rms_norm(x, layer.mlp_norm)
-            gate, up = layer.gate_up(h)
-            x = x + layer.down_proj(self.act(gate) * up)
+            attended = self._attention(i, layer, self._rms_norm(x, layer.attn_norm), start, *rope[layer.rope],
+                                       masks[layer.window])
+            if layer.post_attn_norm is not None:
+                attended = self._rms_norm(attended, layer.post_attn_norm)
+            x = x + attended
+            gate, up = _parts(layer.gate_up(self._rms_norm(x, layer.mlp_norm)), 2)
+            out = layer.down_proj(self.act(gate) * up)
+            if layer.post_mlp_norm is not None:
+                out = self._rms_norm(out, layer.post_mlp_norm)
+            x = x + out
         hidden = self._rms_norm(x, self.norm)
+        logits = self.lm_head(hidden)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         if self.feature_layers:
-            return self.lm_head(hidden), torch.cat(features, dim=-1)
-        return self.lm_head(hidden), hidden
+            return logits, torch.cat(features, dim=-1)
+        return logits, hidden
 
     __call__ = forward
 
     def _attention(self, i: int, layer: _Layer, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
                    mask: torch.Tensor | None) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = layer.qkv(x)
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = _parts(layer.qkv(x), 3, (q_size, kv_size, kv_size))
         q = q.reshape(T, self.n_heads, self.head_dim)
         k = k.reshape(T, self.n_kv_heads, self.head_dim)
         v = v.reshape(T, self.n_kv_heads, self.head_dim)
@@ -190,9 +215,23 @@ class Decoder:
         # In the model dtype, as vLLM's CPU backend computes it. Upcasting a bf16 model's attention to fp32 would be
         # 2.5x faster per decode step on this CPU, but moves bf16 greedy paths away from vLLM's: the EAGLE-3 W4
         # acceptance predicted for vLLM fell from 1.47 to 1.27 against vLLM's 1.53 (tests/integration/test_vllm_eagle).
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5,
-                                             enable_gqa=self.n_kv_heads != self.n_heads)  # (1, H, T, hd)
+        if self.attn_softcap is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                                 enable_gqa=self.n_kv_heads != self.n_heads)  # (1, H, T, hd)
+        else:
+            out = self._capped_attention(q, k, v, mask)
         return layer.o_proj(out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
+
+    def _capped_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          mask: torch.Tensor | None) -> torch.Tensor:
+        """softmax(c · tanh(q·kᵀ · scale / c)) · v, the softmax in fp32; q (1, H, T, hd), k and v (1, KVH, S, hd)."""
+        groups = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (1, H, S, hd)
+        scores = q @ k.transpose(-1, -2) * self.scale  # (1, H, T, S)
+        scores = torch.tanh(scores / self.attn_softcap) * self.attn_softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype) @ v  # (1, H, T, hd)
 
     def _mask(self, start: int, positions: torch.Tensor, tree_mask: torch.Tensor | None,
               window: int | None) -> torch.Tensor | None:
@@ -217,16 +256,29 @@ class Decoder:
         return weight * x32.to(x.dtype)
 
 
+def _parts(outputs: tuple[torch.Tensor, ...], n: int, sizes: tuple[int, ...] | None = None
+           ) -> tuple[torch.Tensor, ...]:
+    """The ``n`` outputs of linears sharing an input: as they are, or one fused output split by rows (into ``sizes``,
+    or ``n`` equal parts)."""
+    if len(outputs) == n:
+        return outputs
+    (fused,) = outputs
+    return fused.split(list(sizes), dim=-1) if sizes else fused.chunk(n, dim=-1)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of x [heads, T, head_dim] in the rotate-half layout; cos, sin [T, head_dim]."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def rope_frequencies(model: nn.Module) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim / 2], attention_scaling) of a static RoPE scheme, taken from the model's rotary module."""
+def rope_frequencies(model: nn.Module, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim / 2], attention_scaling) of a static RoPE scheme, taken from the model's rotary module;
+    with ``layer_type``, that layer type's scheme (``rope_parameters`` keyed by layer type, as Gemma 3 has)."""
     config = model.config
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in _STATIC_ROPE:
         raise DecodeError(f"RoPE type {rope_type!r} is not supported by toolkit.decode: its frequencies change with "
@@ -235,7 +287,9 @@ def rope_frequencies(model: nn.Module) -> tuple[torch.Tensor, float]:
     if partial != 1.0:
         raise DecodeError(f"partial_rotary_factor={partial} is not supported by toolkit.decode (RoPE over the whole "
                           "head only)")
+    prefix = f"{layer_type}_" if layer_type else ""
     rotary = getattr(model.model, "rotary_emb", None)
-    if rotary is None or not hasattr(rotary, "inv_freq"):
-        raise DecodeError("the model has no model.rotary_emb.inv_freq; toolkit.decode needs transformers>=4.56")
-    return rotary.inv_freq, float(getattr(rotary, "attention_scaling", 1.0))
+    if rotary is None or not hasattr(rotary, f"{prefix}inv_freq"):
+        raise DecodeError(f"the model has no model.rotary_emb.{prefix}inv_freq; toolkit.decode needs "
+                          "transformers>=4.56")
+    return getattr(rotary, f"{prefix}inv_freq"), float(getattr(rotary, f"{prefix}attention_scaling", 1.0))
