@@ -220,9 +220,10 @@ def test_eval_tables_fit_80_columns():
     from toolkit.evaluate.report import console_tables
 
     def row(ppl, base):
-        return {"tokens": 25200, "windows": 400, "perplexity": ppl, "base_perplexity": base,
-                "perplexity_ratio": ppl / base, "kl": 0.02345, "kl_above": 0.051, "top1_agreement": 0.912,
-                "top5_agreement": 0.991}
+        return {"tokens": 25200, "windows": 400, "perplexity": ppl, "perplexity_ci95": [0.95 * ppl, 1.05 * ppl],
+                "base_perplexity": base, "perplexity_ratio": ppl / base,
+                "ratio_ci95": [0.99 * ppl / base, 1.01 * ppl / base],
+                "kl": 0.02345, "kl_above": 0.051, "top1_agreement": 0.912, "top5_agreement": 0.991}
 
     slices = {"prose": row(1234.5, 1200.25), "code": row(14.0, 12.0), "non-english": row(31.2, 30.0),
               "structured": row(8.1, 8.0)}
@@ -231,7 +232,8 @@ def test_eval_tables_fit_80_columns():
               "generation": {"json": {"prompts": 8, "passed": {"model": 0.5, "base": 0.75}, "same_as_base": 0.25}},
               "acceptance": {"all": {"prompts": 8, "tree_accepted_length": 1.9, "chain_accepted_length": 1.6,
                                      "tree_speedup": 1.1, "lossless": True}}}
-    readable(rendered(*map(fit, console_tables(report))), "non-english", "1234.50", "×1.029", "same as base")
+    readable(rendered(*map(fit, console_tables(report))), "non-english", "1234.50", "×1.029", "same as base",
+             "1172.775–1296.225", "×1.018–1.039")
 
 
 def test_quantize_and_decode_print_80_column_tables(tmp_path, tiny_llama_dir):

@@ -9,10 +9,11 @@ from toolkit.cli import app
 from toolkit.recipes.schema import SECTIONS
 
 # Flags that act on one command's own run, not on what a recipe step computes: the recipe's top-level model and
-# output, and what the command alone does (replace, evaluate after quantizing, a work directory, a dry run).
+# output, and what the command alone does (replace, evaluate after quantizing, a work directory, a dry run, its
+# threads: `compound run --threads` sets a recipe's).
 COMMAND_ONLY = {
-    "quantize": {"model", "output", "overwrite", "evaluate", "eval_windows"},
-    "train-heads": {"model", "output", "overwrite", "work_dir", "dry_run"},
+    "quantize": {"model", "output", "overwrite", "evaluate", "eval_windows", "threads"},
+    "train-heads": {"model", "output", "overwrite", "work_dir", "dry_run", "threads"},
 }
 SECTIONS_OF = {"quantize": ("calibration", "quantize"), "train-heads": ("heads",)}
 

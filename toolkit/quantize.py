@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 from toolkit.engine import distributed, memory
-from toolkit.engine.loop import Progress, capture_layer_inputs, check_finite_weights, check_widths, quantize_layers
+from toolkit.engine.loop import Progress, capture_layer_inputs, check_finite_weights, input_widths, quantize_layers
 from toolkit.engine.shards import is_safetensors_dir
 from toolkit.engine.streaming import StreamedLayers, outer_names, outer_tensors, stream_model
-from toolkit.formats import FORMATS, choose_format, compressed_tensors
+from toolkit.formats import FORMATS, compressed_tensors, format_choice
 from toolkit.formats.checkpoint import (
     ShardWriter,
     atomic_directory,
@@ -98,6 +98,8 @@ class QuantizeResult:
     peak_rss_mb: float
     errors: dict[str, float] = field(default_factory=dict)
     memory: memory.MemoryEstimate | None = None
+    config: WeightQuantConfig | None = None  # as run: the group size fitted to the model
+    choices: dict[str, str] = field(default_factory=dict)  # "format" / "group size" → what was chosen and why
 
 
 def quantize(
@@ -134,7 +136,8 @@ def quantize(
 
     Steps: 1. refuse unsupported format settings, an existing output and a calibration source that cannot be read
     (when the run reads one), and remove what killed runs for the same output left beside it (reported);
-    2. load the tokenizer and the model's shapes; 3. check group size against every linear; 4. estimate memory and
+    2. load the model's shapes; 3. fit the group size to every quantized linear (an unset one becomes the largest
+    standard size dividing every input width; a given one is checked), then load the tokenizer; 4. estimate memory and
     disk, and refuse a run that cannot fit or whose output cannot be written; 5. load the model (whole, or only its
     embeddings when streamed) and refuse NaN or infinite weights; 6. build calibration tokens (methods that need
     them, KV scales); 7. quantize layer by layer, packing each linear as it finishes (streamed: writing each layer);
@@ -147,7 +150,7 @@ def quantize(
     stream, offload_activations, batch_size = settings.stream, settings.offload_activations, settings.batch_size
     trust_remote_code, dtype = settings.trust_remote_code, getattr(torch, settings.dtype)
     output = Path(output)
-    fmt = choose_format(config) if fmt == "auto" else fmt
+    fmt, fmt_reason = format_choice(config) if fmt == "auto" else (fmt, f"--format {fmt}")
     if fmt not in FORMATS:
         raise ConfigError(f"unknown format {fmt!r}; choose auto or one of {', '.join(FORMATS)}")
     layout = FORMATS[fmt]
@@ -165,9 +168,14 @@ def quantize(
         _check_data_parallel(config, calibration, world)
     if rank == 0:
         _remove_leftovers(output, progress)
-    tokenizer = load_tokenizer(model_spec, trust_remote_code)  # 2
-    skeleton = empty_model(model_spec, torch.float32, trust_remote_code)
-    check_widths(skeleton, config)  # 3
+    skeleton = empty_model(model_spec, torch.float32, trust_remote_code)  # 2
+    config, group_reason = config.fitted(input_widths(skeleton, config))  # 3
+    choices = {"format": f"{fmt} ({fmt_reason})"}
+    if group_reason:
+        choices["group size"] = f"{config.group_size} ({group_reason})"
+        if progress:
+            progress.step(f"group size {choices['group size']}")
+    tokenizer = load_tokenizer(model_spec, trust_remote_code)
     if needs_tokens:  # RTN without KV scales reads no calibration tokens, so its --seq-len is unused
         check_seq_len(model_spec, calibration.seq_len, trust_remote_code)
     samples = calibration.samples if needs_tokens else 0
@@ -225,12 +233,12 @@ def quantize(
     if stream and not writes:
         errors = run_layers(StreamedLayers(model, shards, lambda index, layer: None))
         distributed.barrier()  # rank 0 is writing the checkpoint
-        return _result(output, started, errors, plan)
+        return _result(output, started, errors, plan, config, choices)
     if stream:
         errors = _quantize_streamed(output, model, shards, tokenizer, packed, run_layers, dtype, overwrite,
                                     quantization_config, manifest)
         distributed.barrier()
-        return _result(output, started, errors, plan)
+        return _result(output, started, errors, plan, config, choices)
     errors = run_layers()
     kv_tensors, kv_info = {}, None
     if kv_cache:  # 8
@@ -246,7 +254,7 @@ def quantize(
         write_checkpoint(output, model, tokenizer, packed, quantization_config, manifest(errors, kv_info), dtype,  # 9
                          overwrite, extra_tensors=kv_tensors)
     distributed.barrier()
-    return _result(output, started, errors, plan)
+    return _result(output, started, errors, plan, config, choices)
 
 
 def _remove_leftovers(output: Path, progress: Progress | None) -> None:
@@ -304,8 +312,8 @@ def _quantize_streamed(output, model, shards, tokenizer, packed, run_layers, dty
     return errors
 
 
-def _result(output, started, errors, plan) -> QuantizeResult:
-    return QuantizeResult(output, time.perf_counter() - started, peak_rss_mb(), errors, plan)
+def _result(output, started, errors, plan, config, choices) -> QuantizeResult:
+    return QuantizeResult(output, time.perf_counter() - started, peak_rss_mb(), errors, plan, config, choices)
 
 
 def peak_rss_mb() -> float:

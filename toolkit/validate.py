@@ -35,15 +35,21 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from toolkit.formats import Scheme, awq, gptq, read_quantization_config
 from toolkit.formats.checkpoint import MANIFEST, tensor_files, verify_manifest
 from toolkit.quant.finite import all_finite
+from toolkit.quant.configs import describe_act_order
 from toolkit.runtime.load import CheckpointError
+
+if TYPE_CHECKING:
+    from toolkit.evaluate.suite import Phase
 
 CPU_INT4_TOLERANCE = (0.9, 0.1)  # (min top-1 agreement, max |Δ logit| / max |logit|)
 TRITON_TOLERANCE = (0.999, 1e-3)
@@ -103,12 +109,15 @@ class ValidationReport:
 
 
 def validate(directory: Path | str, *, dataset: str = "sharegpt", windows: int = 2, seq_len: int = 64,
-             triton_layers: int | None = None, triton_tokens: int | None = None) -> ValidationReport:
+             triton_layers: int | None = None, triton_tokens: int | None = None,
+             say: Callable[[str], None] = lambda _: None, progress: Phase | None = None) -> ValidationReport:
     """Check ``directory``'s bytes, run its held-out tokens on every runtime path, and preview serving.
 
     triton_layers / triton_tokens: decoder layers whose linears run the Triton kernel, and tokens of window 0 that
     run it (None: everything on CUDA; 1 layer and 16 tokens under the CPU interpreter). Raises ``ChecksumError``
     when a file changed, ``CheckpointError`` for a directory that is not a quantized checkpoint.
+    say: one line per check as it finishes; progress(phase, total): starts a long check (windows through a path,
+    tokens decoded) and returns what counts its steps done.
     """
     from toolkit.calibration import eval_windows
     from toolkit.runtime.load import load_quantized
@@ -116,6 +125,8 @@ def validate(directory: Path | str, *, dataset: str = "sharegpt", windows: int =
 
     directory = Path(directory)
     checked = _check_manifest(directory)  # 1
+    say(f"manifest: {checked} files, SHA-256 intact" if checked else "manifest: none (compound.json absent), bytes "
+        "not checked")
     if seq_len > CPU_INT4_MAX_ROWS:
         raise ValueError(f"seq_len {seq_len} is above the {CPU_INT4_MAX_ROWS} rows up to which the cpu-int4 path runs "
                          f"torch's int4 op (above, it runs the reference and would compare it with itself); "
@@ -123,8 +134,9 @@ def validate(directory: Path | str, *, dataset: str = "sharegpt", windows: int =
     model, tokenizer = load_quantized(directory, torch.float32, backend="reference")  # 2
     _check_finite_tensors(directory)
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    say(f"loaded: {len(linears)} quantized linears, every tensor finite")
     tokens = eval_windows(tokenizer, dataset, windows, seq_len)  # (windows, seq_len)
-    reference = _logits(model, tokens)
+    reference = _logits(model, tokens, _phase(progress, "reference path", tokens.shape[0]))
     if not all_finite(reference):
         raise CheckpointError(f"{directory}: the reference path produced non-finite logits (NaN or inf) from finite "
                               "tensors; the checkpoint's values overflow float32: re-quantize it")
@@ -135,23 +147,45 @@ def validate(directory: Path | str, *, dataset: str = "sharegpt", windows: int =
             paths.append(PathResult(path, 0, "-", None, None, None, True, f"skipped: {problem}"))
         elif path == "cpu-int4":
             set_backend(model, "cpu-int4")
-            paths.append(_compare("cpu-int4", _logits(model, tokens), reference, "all", CPU_INT4_TOLERANCE))
+            got = _logits(model, tokens, _phase(progress, "cpu-int4 path", tokens.shape[0]))
+            paths.append(_compare("cpu-int4", got, reference, "all", CPU_INT4_TOLERANCE))
             set_backend(model, "reference")
         else:
+            advance = _phase(progress, "triton path", 1)
             paths.append(_triton_path(directory, model, tokens, triton_layers, triton_tokens))
-    paths.append(_decode_path(model, tokens[0, :32]))
+            advance(1)
+        say(path_line(paths[-1]))
+    paths.append(_decode_path(model, tokens[0, :32], _phase(progress, "decode loop vs transformers.generate", 2)))
+    say(path_line(paths[-1]))
     serving = serving_preview(directory, [(m.in_features, m.out_features) for m in linears])  # 3
+    say(f"serving preview: vLLM on GPU {serving.vllm_gpu}; on CPU {serving.vllm_cpu}"
+        + (f"; {len(serving.problems)} problem(s)" if serving.problems else ""))
     return ValidationReport(str(directory), checked, tokens.numel(), paths, serving)
 
 
-def _decode_path(model, prompt: torch.Tensor, new_tokens: int = 16) -> PathResult:
+def path_line(p: PathResult) -> str:
+    """One runtime path's result in a line: verdict, the numbers, the note."""
+    verdict = "ok" if p.ok else "FAILED"
+    numbers = "" if p.max_logit_diff is None else \
+        f", max |Δ logit| {p.max_logit_diff:.3g} ({p.relative_diff:.1e} of max), top-1 {p.top1_agreement:.2%}"
+    return f"{p.path}: {verdict}{numbers}" + (f"; {p.note}" if p.note else "")
+
+
+def _phase(progress: Phase | None, name: str, total: int) -> Callable[[int], None]:
+    return progress(name, total) if progress else (lambda n: None)
+
+
+def _decode_path(model, prompt: torch.Tensor, advance: Callable[[int], None], new_tokens: int = 16) -> PathResult:
     """compound's decode loop (static KV cache) against transformers' ``generate``, greedy, on the reference path:
-    the loop that measures speculative decoding must produce exactly the model's own tokens."""
+    the loop that measures speculative decoding must produce exactly the model's own tokens. ``advance(1)`` after
+    each of the two."""
     from toolkit.decode import Decoder, generate
 
     ours, stats = generate(Decoder.from_model(model, prompt.numel() + new_tokens), prompt, new_tokens)
+    advance(1)
     with torch.inference_mode():
         theirs = model.generate(prompt[None], max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)[0]
+    advance(1)
     same = int((ours == theirs).long().cumprod(0).sum()) - prompt.numel()
     return PathResult("decode loop", new_tokens, "all", None, None, same / new_tokens, same == new_tokens,
                       f"greedy: {same}/{new_tokens} tokens identical to transformers.generate, "
@@ -190,9 +224,14 @@ def _check_manifest(directory: Path) -> int:
 
 
 @torch.inference_mode()
-def _logits(model, tokens: torch.Tensor) -> torch.Tensor:
-    """Float32 logits [windows, T, vocab], one window per forward (each linear sees T rows)."""
-    return torch.cat([model(window[None]).logits.float() for window in tokens])
+def _logits(model, tokens: torch.Tensor, advance: Callable[[int], None] = lambda n: None) -> torch.Tensor:
+    """Float32 logits [windows, T, vocab], one window per forward (each linear sees T rows); ``advance(1)`` after
+    each window."""
+    out = []
+    for window in tokens:
+        out.append(model(window[None]).logits.float())
+        advance(1)
+    return torch.cat(out)
 
 
 def _compare(path: str, got: torch.Tensor, reference: torch.Tensor, layers: str, tolerance: tuple[float, float],
@@ -295,13 +334,24 @@ def serving_preview(directory: Path | str, shapes: list[tuple[int, int]]) -> Ser
         quant_method=method,
         scheme=f"{bits}-bit, {'per-channel' if group_size == -1 else f'group {group_size}'}, "
                f"{'symmetric' if scheme.sym else 'asymmetric (zero points)'}, "
-               f"act-order {'dynamic' if scheme.desc_act else 'off/static'}",
+               f"act-order {_act_order(directory, scheme)}",
         vllm_gpu=vllm_gpu, vllm_gpu_why=why, vllm_cpu=vllm_cpu, vllm_cpu_why=cpu_why,
         vllm_command=f"vllm serve {path} --dtype {dtype}",
         vllm_cpu_command=f"VLLM_CPU_INT4_W4A8=0 vllm serve {path} --dtype {dtype}",
         sglang_command=f"python -m sglang.launch_server --model-path {path} --dtype {dtype}",
         problems=problems,
     )
+
+
+def _act_order(directory: Path | str, scheme: Scheme) -> str:
+    """The act-order of a checkpoint as its manifest records it (the quantization_config alone says only whether
+    groups are dynamic: ``desc_act``)."""
+    manifest = Path(directory) / MANIFEST
+    quantization = json.loads(manifest.read_text()).get("quantization") if manifest.is_file() else None
+    if quantization:
+        return describe_act_order(quantization.get("act_order", False), quantization.get("static_groups", True),
+                                  quantization.get("group_size"))
+    return "on (dynamic groups)" if scheme.desc_act else "off or static groups (no manifest to tell)"
 
 
 def _fast_kernel(group_size: int) -> str:

@@ -104,7 +104,7 @@ def test_quantization_config_minimal_keys():
     assert channel["strategy"] == "channel" and channel["group_size"] is None and channel["symmetric"] is False
 
 
-@pytest.mark.parametrize("config", [RTNConfig(), RTNConfig(bits=8, sym=False, group_size=-1),
+@pytest.mark.parametrize("config", [RTNConfig(group_size=128), RTNConfig(bits=8, sym=False, group_size=-1),
                                     GPTQConfig(act_order=True, group_size=32, skip=("lm_head", "mlp.down_proj"))])
 def test_strict_parser_accepts_the_config(config):
     pytest.importorskip("compressed_tensors")

@@ -61,14 +61,14 @@ def test_awq_reads_autoawq_spellings():
 
 
 def _ct(**changes) -> dict:
-    return {**compressed_tensors.quantization_config(RTNConfig()), **changes}
+    return {**compressed_tensors.quantization_config(RTNConfig(group_size=128)), **changes}
 
 
 @pytest.mark.parametrize("quant,message", [
     ({"quant_method": "exl2"}, "quant_method 'exl2' is not supported; expected one of gptq, awq, compressed-tensors"),
-    ({**gptq.quantization_config(RTNConfig()), "checkpoint_format": "gptq_v2"},
+    ({**gptq.quantization_config(RTNConfig(group_size=128)), "checkpoint_format": "gptq_v2"},
      "GPTQ checkpoint_format 'gptq_v2' is not supported; only v1 zeros (checkpoint_format 'gptq') are read"),
-    ({**awq.quantization_config(RTNConfig()), "version": "gemv"},
+    ({**awq.quantization_config(RTNConfig(group_size=128)), "version": "gemv"},
      "AWQ version 'gemv' is not supported; only the GEMM layout is read"),
     (_ct(format="int-quantized"), "only single-scheme pack-quantized compressed-tensors checkpoints are read "
                                   "(format 'int-quantized', 1 config groups)"),

@@ -347,7 +347,7 @@ def test_model_card_shows_only_what_was_measured(artifact, tmp_path):
                                  "latency_ms": {"p50": 12.5}})
     assert str(tmp_path) not in card  # no local directory layout
     assert "| base perplexity | 12 |" in card and "| perplexity | 13 |" in card and "- max_kl: ok" in card
-    assert "| code | 252 | 14.000 | 12.000 | ×1.167 |" in card and "Degrades most: **code**" in card
+    assert "| code | 252 | 14.000 | – | 12.000 | ×1.167 | – |" in card and "Degrades most: **code**" in card
     assert "| json | 8 | 50% | 75% | – |" in card
     assert "| latency_ms.p50 | 12.5 |" in card and "tokens/s" not in card
 

@@ -22,9 +22,9 @@ def test_each_method_is_driven_by_its_module():
     }
     assert {name: error_measure(cls()) for name, cls in METHODS.items()} == {
         "rtn": "relative weight error ‖Ŵ − W‖ / ‖W‖",
-        "gptq": "GPTQ loss (Hessian-weighted squared error)",
+        "gptq": "Hessian-weighted squared error (GPTQ loss)",
         "awq": "relative output error on calibration activations",
-        "awq+gptq": "GPTQ loss (Hessian-weighted squared error)",
+        "awq+gptq": "Hessian-weighted squared error (GPTQ loss)",
     }
 
 

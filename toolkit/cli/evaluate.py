@@ -11,22 +11,27 @@ from rich.console import Console
 from rich.table import Table
 
 from toolkit.cli import flags
-from toolkit.cli.common import app, console, fail, user_errors
+from toolkit.cli.common import app, console, fail, progress_bar, start, user_errors
 from toolkit.cli.render import fit
+from toolkit.engine.threads import ThreadSettings
 from toolkit.evaluate.acceptance import CATEGORIES
+from toolkit.evaluate.suite import WINDOWS_PER_SLICE
 
 HEADS_DTYPES = ("float32", "bfloat16")  # the target's dtypes the decode loop of --heads runs in
 HeadsDtype = flags.choice(HEADS_DTYPES)
 
 
 @app.command("eval")
+@flags.derived(ThreadSettings)
 def evaluate(
+    ctx: typer.Context,
     model: str = typer.Option(..., help="A compound checkpoint directory, or any model spec (float)."),
     base: Optional[str] = typer.Option(None, help="The model to compare with (e.g. the float original): KL, agreement, perplexity ratios."),
     heads: Optional[Path] = typer.Option(None, help="Medusa or EAGLE heads trained for --model: accepted length per slice."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Report directory (eval.json, eval.md, plots); default: <model>.eval next to a checkpoint, else eval-<model>."),
     dataset: str = typer.Option("sharegpt", help="Held-out source (its eval split)."),
-    windows: int = typer.Option(16, help="Held-out windows per slice."),
+    windows: int = typer.Option(WINDOWS_PER_SLICE, help="Held-out windows per slice (each perplexity and ratio "
+                                "prints with its 95 % interval over windows)."),
     seq_len: int = typer.Option(512, help="Tokens per window."),
     kl_threshold: float = typer.Option(1.0, help="Report the share of tokens whose KL(base ‖ model) exceeds this (nats): where the model breaks."),
     generation: bool = typer.Option(True, "--generation/--no-generation", help="Run the JSON / code / factual generation checks."),
@@ -34,6 +39,7 @@ def evaluate(
     head_prompts: int = typer.Option(4, help="With --heads: held-out prompts per slice."),
     head_tokens: int = typer.Option(64, help="With --heads: tokens decoded per prompt."),
     overwrite: bool = typer.Option(False, help="Replace an existing report directory."),
+    **options,
 ):
     """Task-level quality on held-out slices (prose, code, non-English, structured), generation checks, accepted
     length per slice; writes eval.json and eval.md."""
@@ -41,20 +47,41 @@ def evaluate(
     from toolkit.evaluate.report import console_tables
     from toolkit.evaluate.suite import evaluate as run_eval
 
+    threads = start(ctx, options)
     path = Path(model)
     output = output or (path.with_name(path.name + ".eval") if path.is_dir() else Path(f"eval-{path.name}"))
     try:
-        report = run_eval(model, output, base=base, heads=heads, dataset=dataset, windows=windows, seq_len=seq_len,
-                          kl_threshold=kl_threshold, generation_sets=SETS if generation else (),
-                          new_tokens=new_tokens, head_prompts=head_prompts, head_tokens=head_tokens,
-                          overwrite=overwrite, say=console.log)
+        with progress_bar() as bar:
+            report = run_eval(model, output, base=base, heads=heads, dataset=dataset, windows=windows,
+                              seq_len=seq_len, kl_threshold=kl_threshold, generation_sets=SETS if generation else (),
+                              new_tokens=new_tokens, head_prompts=head_prompts, head_tokens=head_tokens,
+                              overwrite=overwrite, say=bar.console.log, progress=phases(bar))
     except user_errors() as err:
         fail(err)
     for table in console_tables(report):
         Console().print(fit(table))
     if report["worst_slice"]:
         Console().print(f"degrades most: {report['worst_slice']}")
-    console.print(f"wrote {output}/eval.json and {output}/eval.md")
+    console.print(f"wrote {output}/eval.json and {output}/eval.md in {report['seconds']:.0f} s on {threads}")
+
+
+def phases(bar):
+    """The ``progress`` of ``evaluate`` and ``validate``: one bar with counts per phase; outside a terminal (where
+    Rich draws the bars once, at the end) also a line as each phase finishes."""
+
+    def phase(name: str, total: int):
+        task, done = bar.add_task(name, total=total), 0
+
+        def advance(n: int) -> None:
+            nonlocal done
+            bar.advance(task, n)
+            done += n
+            if not bar.console.is_terminal and done == total:
+                bar.console.log(f"{name}: {done}/{total} done")
+
+        return advance
+
+    return phase
 
 
 def _categories(value: str) -> list[str]:
@@ -66,7 +93,9 @@ def _categories(value: str) -> list[str]:
 
 
 @app.command()
+@flags.derived(ThreadSettings)
 def validate(
+    ctx: typer.Context,
     model: str = typer.Option(..., help="A quantized checkpoint directory (GPTQ, AWQ or compressed-tensors); with --heads, the target model (any model spec)."),
     heads: Optional[Path] = typer.Option(None, help="A draft-head directory (from train-heads): measure its accepted length on --model instead."),
     prompts: int = typer.Option(8, help="With --heads: held-out prompts decoded."),
@@ -82,18 +111,22 @@ def validate(
     triton_layers: Optional[int] = typer.Option(None, help="Decoder layers run on the Triton kernels (default: all on CUDA, 1 under the CPU interpreter)."),
     triton_tokens: Optional[int] = typer.Option(None, help="Tokens of window 0 run on Triton (default: all on CUDA, 16 under the CPU interpreter)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the report to this JSON file."),
+    **options,
 ):
     """Check a checkpoint's hashes, run held-out tokens on every runtime path, and preview how engines serve it;
     with --heads, measure the heads' accepted length, per-head acceptance and speedup, lossless checked."""
     from toolkit.validate import validate as run_validate
 
+    start(ctx, options)
     if heads is not None:
         _validate_heads(model, heads, prompts, max_new_tokens, heads_dtype, categories, json_out)
         return
 
     try:
-        report = run_validate(model, dataset=dataset, windows=windows, seq_len=seq_len,
-                              triton_layers=triton_layers, triton_tokens=triton_tokens)
+        with progress_bar() as bar:
+            report = run_validate(model, dataset=dataset, windows=windows, seq_len=seq_len,
+                                  triton_layers=triton_layers, triton_tokens=triton_tokens, say=bar.console.log,
+                                  progress=phases(bar))
     except (*user_errors(), ValueError) as err:
         fail(err)
     out = Console()

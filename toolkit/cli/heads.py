@@ -10,14 +10,16 @@ from rich.console import Console
 from rich.table import Table
 
 from toolkit.cli import flags
-from toolkit.cli.common import app, console, fail, user_errors
+from toolkit.cli.common import app, console, fail, start, user_errors
 from toolkit.cli.render import fit
+from toolkit.engine.threads import ThreadSettings
 from toolkit.train_heads import HeadsJob
 
 
 @app.command("train-heads")
-@flags.derived(HeadsJob, *HeadsJob.parts().values())
+@flags.derived(HeadsJob, *HeadsJob.parts().values(), ThreadSettings)
 def train_heads(
+    ctx: typer.Context,
     model: str = typer.Option("smollm2-135m", help="Target: alias, local directory, .gguf, Hub id, or a compound checkpoint (train against the model you serve)."),
     output: Path = typer.Option(..., "--output", "-o", help="Head directory to create."),
     work_dir: Optional[Path] = typer.Option(None, help="Where data, hidden states and training checkpoints go (default: OUTPUT.work); rerun to resume."),
@@ -28,6 +30,7 @@ def train_heads(
     """Train draft heads on the target's own hidden states and export them for vLLM (runs under torchrun too)."""
     from toolkit.train_heads import train_heads as run_train_heads
 
+    threads = start(ctx, options)
     try:
         parts = {name: flags.build(cls, options) for name, cls in HeadsJob.parts().items()}
         job = HeadsJob(model=model, output=output, head=options["head"], **parts, work_dir=work_dir,
@@ -38,7 +41,9 @@ def train_heads(
     if result.output is None:
         return
     shape = f"{job.medusa.num_heads} medusa heads" if job.head == "medusa" else f"an {job.head} head"
-    Console().print(fit(result_table(f"compound train-heads: {shape} for {model}", result)))
+    table = result_table(f"compound train-heads: {shape} for {model}", result)
+    table.add_row("threads", str(threads))
+    Console().print(fit(table))
     if job.head != "medusa":
         _print_eagle_serving(result.output, job.eagle.tree)
 

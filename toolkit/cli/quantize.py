@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import typer
@@ -10,11 +11,13 @@ from rich.console import Console
 from rich.table import Table
 
 from toolkit.cli import flags
-from toolkit.cli.common import RichProgress, app, console, dir_size, fail, progress_bar, user_errors
+from toolkit.cli.common import RichProgress, app, console, dir_size, fail, progress_bar, start, user_errors
 from toolkit.cli.render import fit
 from toolkit.decode.kv_cache import CACHE_DTYPES
+from toolkit.engine.threads import ThreadSettings
+from toolkit.evaluate.perplexity import EVAL_WINDOWS
 from toolkit.formats import FORMATS
-from toolkit.quant.configs import DEFAULT_METHOD, METHODS
+from toolkit.quant.configs import DEFAULT_METHOD, METHODS, describe_act_order
 from toolkit.quantize import CalibrationSpec, QuantizeSettings
 
 MethodName = flags.choice(METHODS)
@@ -23,21 +26,25 @@ CacheName = flags.choice(CACHE_DTYPES)
 
 
 @app.command()
-@flags.derived(QuantizeSettings, CalibrationSpec, methods=METHODS.values())
+@flags.derived(QuantizeSettings, CalibrationSpec, ThreadSettings, methods=METHODS.values())
 def quantize(
+    ctx: typer.Context,
     model: str = typer.Option("smollm2-135m", help="Model: alias (smollm2-135m), local directory, .gguf file or Hub id."),
     output: Path = typer.Option(..., "--output", "-o", help="Checkpoint directory to create."),
     method: MethodName = typer.Option(DEFAULT_METHOD, help="Quantization method (awq+gptq: AWQ's scaling, then GPTQ's rounding)."),
     evaluate: bool = typer.Option(False, "--eval", help="Also report held-out perplexity of the result and of the float model."),
-    eval_windows: int = typer.Option(80, help="Held-out windows of --seq-len tokens for --eval."),
+    eval_windows: int = typer.Option(EVAL_WINDOWS, help="Held-out windows of --seq-len tokens for --eval (the "
+                                     "perplexities print with their 95 % interval over windows)."),
     overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
     **options,
 ):
     """Quantize a causal LM layer by layer and write a deployable checkpoint."""
-    from toolkit.evaluate.perplexity import compare_perplexity
+    from toolkit.evaluate.perplexity import compare_perplexity, ratio_interval
+    from toolkit.methods import error_measure
     from toolkit.quant.configs import make_config
     from toolkit.quantize import quantize as run_quantize
 
+    threads = start(ctx, options)
     try:
         config = make_config(method, **flags.method_options(METHODS.values(), options))
         calibration = flags.build(CalibrationSpec, options)
@@ -46,26 +53,34 @@ def quantize(
         rank = int(os.environ.get("RANK", "0"))  # under torchrun rank 0 reports, the others run quietly
         with progress_bar(disable=rank > 0) as bar:
             result = run_quantize(model, config, output, calibration, flags.build(QuantizeSettings, options),
-                                  overwrite=overwrite, progress=RichProgress(bar) if rank == 0 else None)
+                                  overwrite=overwrite,
+                                  progress=RichProgress(bar, error_measure(config)) if rank == 0 else None)
         if rank > 0:
             return
+        config = result.config
         table = Table(title=f"compound quantize: {method} W{config.bits} g{config.group_size}")
         table.add_column("measure")
         table.add_column("value", justify="right")
         table.add_row("output", str(result.output))
-        table.add_row("wall time", f"{result.seconds:.1f} s")
+        for name, choice in result.choices.items():
+            table.add_row(name, choice)
+        table.add_row("act-order", describe_act_order(config.act_order, config.static_groups, config.group_size))
+        table.add_row("quantize wall time", f"{result.seconds:.1f} s")
         table.add_row("peak memory (RSS)", f"{result.peak_rss_mb:.0f} MiB")
         table.add_row("memory estimate", f"{result.memory.total / 2**20:.0f} MiB")
         table.add_row("size on disk", f"{dir_size(result.output) / 2**20:.1f} MiB")
+        table.add_row("threads", str(threads))
     except user_errors() as err:
         fail(err)
     if evaluate:
+        started = time.perf_counter()
         with progress_bar() as bar:
             tasks = {}
 
             def advance(spec, n):
                 if spec not in tasks:
-                    tasks[spec] = bar.add_task(f"perplexity of {spec}", total=eval_windows)
+                    which = "quantized" if spec == str(result.output) else "float model"
+                    tasks[spec] = bar.add_task(f"perplexity, {which}", total=eval_windows)
                 bar.advance(tasks[spec], n)
 
             try:
@@ -76,10 +91,24 @@ def quantize(
                 fail(ValueError(f"--eval failed, the checkpoint did not: {result.output} is complete and valid. "
                                 f"{err} Evaluate it with: compound eval --model {result.output} --base {model} "
                                 f"--dataset {calibration.dataset}"))
-        table.add_row("perplexity, float model", f"{base.perplexity:.3f}")
-        table.add_row("perplexity, quantized", f"{quantized.perplexity:.3f} (+{quantized.perplexity - base.perplexity:.3f})")
-        table.add_row("held-out tokens scored", str(quantized.tokens))
+        eval_seconds = time.perf_counter() - started
+        table.add_row("perplexity, float model", _with_interval(base))
+        table.add_row("perplexity, quantized", _with_interval(quantized))
+        ratio = ratio_interval(quantized.window_nll, base.window_nll)
+        table.add_row("quantized / float", f"×{quantized.perplexity / base.perplexity:.3f}" +
+                      (f" (95 % CI ×{ratio[0]:.3f}–{ratio[1]:.3f}, paired)" if ratio else ""))
+        table.add_row("held-out tokens scored", f"{quantized.tokens} ({len(quantized.window_nll)} windows)")
+        table.add_row("eval wall time", f"{eval_seconds:.1f} s")
+        table.add_row("total wall time", f"{result.seconds + eval_seconds:.1f} s")
     Console().print(fit(table))
+
+
+def _with_interval(score) -> str:
+    """A perplexity with its 95 % interval over windows, when there are two windows or more."""
+    from toolkit.evaluate.perplexity import perplexity_interval
+
+    interval = perplexity_interval(score.window_nll)
+    return f"{score.perplexity:.3f}" + (f" ({interval[0]:.3f}–{interval[1]:.3f})" if interval else "")
 
 
 def _check_eval(windows: int, calibration: CalibrationSpec) -> None:
@@ -92,14 +121,19 @@ def _check_eval(windows: int, calibration: CalibrationSpec) -> None:
 
 
 @app.command()
+@flags.derived(ThreadSettings)
 def convert(
+    ctx: typer.Context,
     model: Path = typer.Option(..., help="A compound checkpoint directory."),
     fmt: FormatName = typer.Option(..., "--format", help="Target layout."),
     output: Path = typer.Option(..., "--output", "-o", help="Checkpoint directory to create."),
     overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
+    **options,
 ):
     """Re-pack a checkpoint into another layout, bit-exact, without re-quantizing (refused where the math differs)."""
     from toolkit.convert import convert as run_convert
+
+    start(ctx, options)
 
     try:
         out = run_convert(model, fmt, output, overwrite=overwrite)
@@ -109,7 +143,9 @@ def convert(
 
 
 @app.command()
+@flags.derived(ThreadSettings)
 def decode(
+    ctx: typer.Context,
     model: str = typer.Option(..., help="A compound checkpoint directory (runs its packed weights), or any model spec (float)."),
     prompt: str = typer.Option(..., help="The user message; rendered with the model's chat template."),
     max_new_tokens: int = typer.Option(64, help="Tokens to generate at most (stops early at end-of-sequence)."),
@@ -118,6 +154,7 @@ def decode(
                                        "and head) | int8-static (the checkpoint's calibrated scales, from quantize "
                                        "--kv-cache int8: what a static-scale engine stores; BENCHMARKS.md)."),
     seed: int = typer.Option(0, help="Sampling seed."),
+    **options,
 ):
     """Generate a reply with compound's decode loop (static KV cache) and print its statistics."""
     import torch
@@ -127,6 +164,7 @@ def decode(
     from toolkit.quant.kv_cache import int8_decode_scales
     from toolkit.runtime.load import load_model_or_checkpoint, read_manifest
 
+    threads = start(ctx, options)
     try:
         sampling = SamplingConfig(temperature, seed=seed) if temperature > 0 else None
         loaded, tokenizer = load_model_or_checkpoint(model, torch.float32)
@@ -152,4 +190,5 @@ def decode(
     table.add_row("forward passes", str(stats.target_forwards))
     table.add_row("wall time (prefill + decode)", f"{stats.total_s:.2f} s")
     table.add_row("tokens/s", f"{stats.tokens_per_s:.1f}")
+    table.add_row("threads", str(threads))
     Console().print(fit(table))

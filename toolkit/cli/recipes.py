@@ -11,22 +11,28 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from toolkit.cli.common import app, console, fail, user_errors
+from toolkit.cli import flags
+from toolkit.cli.common import app, console, fail, start, user_errors
 from toolkit.cli.render import fit
+from toolkit.engine.threads import ThreadSettings
 
 
 @app.command()
+@flags.derived(ThreadSettings)
 def run(
+    ctx: typer.Context,
     recipe: Path = typer.Argument(..., help="A recipe YAML file (see recipes/)."),
     resume: bool = typer.Option(True, "--resume/--no-resume", help="Skip steps whose fingerprint and outputs are unchanged."),
     dry_run: bool = typer.Option(False, help="Print the plan (steps, fingerprints, which are cached) and run nothing."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Artifact directory (default: the recipe's output, out/<recipe name>)."),
+    **options,
 ):
     """Run a recipe: quantize → evaluate → validate → heads → gates → push, each step cached by fingerprint.
     Exit status 1 when a gate fails (nothing is pushed), 2 for a bad recipe or an input a step refuses."""
     from toolkit.hub import HubError
     from toolkit.recipes import GateError, RecipeError, load_recipe, run_recipe
 
+    start(ctx, options)
     try:
         loaded = load_recipe(recipe)
     except RecipeError as err:

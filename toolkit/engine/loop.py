@@ -326,7 +326,7 @@ def quantize_layers(
     source = source or InMemory()
     layers = decoder_layers(model)
     prefix = arch_spec(model).layers
-    check_widths(model, config)
+    config, _ = config.fitted(input_widths(model, config))  # a group size given is checked, an unset one chosen
     inputs = None
     if config.needs_activations:
         if tokens is None:
@@ -389,14 +389,11 @@ def _check_finite_scales(qweight: QuantizedWeight, name: str, config: WeightQuan
                              f"finite weights; its statistics overflowed (try another --method or --dataset)")
 
 
-def check_widths(model: nn.Module, config: WeightQuantConfig) -> None:
-    """Refuse, before any work, a group size that does not divide some quantized linear's input width."""
+def input_widths(model: nn.Module, config: WeightQuantConfig) -> dict[str, int]:
+    """Full name → input width of every linear ``config`` quantizes (a meta-device skeleton is enough)."""
     prefix = arch_spec(model).layers
-    for index, layer in enumerate(decoder_layers(model)):
-        for name, linear in layer_linears(layer).items():
-            full = f"{prefix}.{index}.{name}"
-            if not _skipped(full, config):
-                config.check_width(full, linear.in_features)
+    return {f"{prefix}.{index}.{name}": linear.in_features for index, layer in enumerate(decoder_layers(model))
+            for name, linear in layer_linears(layer).items() if not _skipped(f"{prefix}.{index}.{name}", config)}
 
 
 def capture_layer_inputs(

@@ -25,8 +25,8 @@ KL_EDGES = (0.0, 1e-4, 1e-3, 1e-2, 0.1, 0.3, 1.0, 3.0, math.inf)  # histogram bi
 @dataclass(frozen=True)
 class Divergence:
     """Token means over ``tokens`` predictions: KL(base ‖ model) in nats, the share above ``kl_threshold``, top-1
-    and top-5 agreement in [0, 1], both perplexities; ``kl_counts``: tokens per ``KL_EDGES`` bin; ``window_nll``:
-    the model's mean NLL of the true next token in each window, in window order."""
+    and top-5 agreement in [0, 1], both perplexities; ``kl_counts``: tokens per ``KL_EDGES`` bin; ``window_nll`` /
+    ``base_window_nll``: the model's / the base's mean NLL of the true next token in each window, in window order."""
 
     kl: float
     kl_above: float
@@ -38,6 +38,7 @@ class Divergence:
     tokens: int
     kl_counts: tuple[int, ...]
     window_nll: tuple[float, ...]
+    base_window_nll: tuple[float, ...]
 
 
 def divergence(
@@ -54,6 +55,7 @@ def divergence(
     kl_sum = above = top1 = top5 = nll = base_nll = 0.0
     counts = torch.zeros(len(KL_EDGES) - 1, dtype=torch.long)
     window_nll: list[float] = []
+    base_window_nll: list[float] = []
     edges = torch.tensor(KL_EDGES[1:-1])
     with torch.inference_mode():
         for batch in windows.split(batch_size):
@@ -70,14 +72,17 @@ def divergence(
             token_nll = -logp.gather(1, targets).reshape(batch.shape[0], -1)  # (B, T-1)
             nll += float(token_nll.sum())
             window_nll += token_nll.mean(1).tolist()
-            base_nll -= float(base_logp.gather(1, targets).sum())
+            base_token_nll = -base_logp.gather(1, targets).reshape(batch.shape[0], -1)  # (B, T-1)
+            base_nll += float(base_token_nll.sum())
+            base_window_nll += base_token_nll.mean(1).tolist()
             if on_batch:
                 on_batch(batch.shape[0])
     n = windows.shape[0] * (windows.shape[1] - 1)
     if not math.isfinite(kl_sum + nll + base_nll):
         raise FloatingPointError("a model produced NaN or infinite logits on the evaluation windows")
     return Divergence(kl_sum / n, above / n, kl_threshold, top1 / n, top5 / n, math.exp(nll / n),
-                      math.exp(base_nll / n), n, tuple(int(c) for c in counts), tuple(window_nll))
+                      math.exp(base_nll / n), n, tuple(int(c) for c in counts), tuple(window_nll),
+                      tuple(base_window_nll))
 
 
 def combine(parts: Sequence[Divergence]) -> Divergence:
@@ -94,7 +99,8 @@ def combine(parts: Sequence[Divergence]) -> Divergence:
                       math.exp(mean(lambda p: math.log(p.perplexity))),
                       math.exp(mean(lambda p: math.log(p.base_perplexity))), n,
                       tuple(map(sum, zip(*(p.kl_counts for p in parts)))),
-                      tuple(nll for p in parts for nll in p.window_nll))
+                      tuple(nll for p in parts for nll in p.window_nll),
+                      tuple(nll for p in parts for nll in p.base_window_nll))
 
 
 def paired_nll_difference(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:

@@ -9,7 +9,8 @@ Three sets (``calibration/prompts/*.jsonl``, written for this project):
 - ``factual``: the answer is correct when it contains the expected answer as a word (case-folded); against a base
   model, it also counts as *same* when its first line equals the base's first line (whitespace and case folded).
 
-Each prompt is chat-templated and decoded greedily with compound's decode loop, stopping at EOS.
+Each prompt is chat-templated and decoded greedily, a set at a time in batches (``toolkit.decode.batched``),
+stopping at EOS.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from __future__ import annotations
 import ast
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 from torch import nn
 
-from toolkit.decode import greedy_outputs
+from toolkit.decode.batched import greedy_batch
 
 SETS = ("json", "code", "factual")
 _FENCED = re.compile(r"```[\w+-]*\n(.*?)(```|$)", re.DOTALL)
@@ -70,8 +72,10 @@ def passes(check: str, answer: str, expected: str | None = None) -> bool:
 
 
 def run_checks(models: dict[str, nn.Module], tokenizer, max_new_tokens: int = 96,
-               sets: tuple[str, ...] = SETS, directory: Path | None = None) -> list[CheckResult]:
-    """Every prompt set on every model (name → model; a model named ``base`` is the reference for same-as-base)."""
+               sets: tuple[str, ...] = SETS, directory: Path | None = None,
+               progress: Callable[[str, int], Callable[[int], None]] | None = None) -> list[CheckResult]:
+    """Every prompt set on every model (name → model; a model named ``base`` is the reference for same-as-base).
+    ``progress(phase, prompts)`` starts each set's decoding on a model and returns what counts its decoded prompts."""
     results = []
     for name in sets:
         prompts = prompt_set(name, directory)
@@ -79,7 +83,8 @@ def run_checks(models: dict[str, nn.Module], tokenizer, max_new_tokens: int = 96
                                              return_tensors="pt", return_dict=True)["input_ids"][0] for p in prompts]
         outputs: dict[str, dict[str, str]] = {}
         for label, model in models.items():
-            decoded, _ = greedy_outputs(model, ids, max_new_tokens, tokenizer.eos_token_id)
+            advance = progress(f"generation checks: {name}, {label}", len(ids)) if progress else None
+            decoded = greedy_batch(model, ids, max_new_tokens, tokenizer.eos_token_id, on_prompts=advance)
             outputs[label] = {p.id: tokenizer.decode(out[len(i):], skip_special_tokens=True)
                               for p, i, out in zip(prompts, ids, decoded)}
         passed = {label: sum(passes(name, got[p.id], p.answer) for p in prompts) / len(prompts)

@@ -1,22 +1,56 @@
-"""Perplexity on fixed held-out windows, so every model is scored on exactly the same tokens."""
+"""Perplexity on fixed held-out windows, so every model is scored on exactly the same tokens, with its 95 % interval
+over windows: exp(mean NLL ± 1.96 · its standard error), the windows' mean NLLs taken as the samples. A difference
+between two models on the same windows is paired window by window (``ratio_interval``), which is much tighter than
+either interval: the windows' difficulty cancels.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+EVAL_WINDOWS = 32  # held-out windows of a default evaluation (per verb; compound eval spreads them over its slices)
+Z95 = 1.96  # a normal 95 % interval
+
+
 
 @dataclass(frozen=True)
 class Perplexity:
-    """exp(mean NLL) over ``tokens`` predicted tokens (each window's first token has no prediction)."""
+    """exp(mean NLL) over ``tokens`` predicted tokens (each window's first token has no prediction); ``window_nll``:
+    each window's mean NLL, in window order."""
 
     perplexity: float
     nll: float
     tokens: int
+    window_nll: tuple[float, ...] = ()
+
+
+def perplexity_interval(window_nll: Sequence[float]) -> tuple[float, float] | None:
+    """The 95 % interval of a perplexity over its windows (each window's mean NLL, windows of one length); None
+    with fewer than two windows."""
+    if len(window_nll) < 2:
+        return None
+    samples = torch.tensor(window_nll, dtype=torch.float64)
+    mean, se = float(samples.mean()), _standard_error(samples)
+    return math.exp(mean - Z95 * se), math.exp(mean + Z95 * se)
+
+
+def ratio_interval(model_nll: Sequence[float], base_nll: Sequence[float]) -> tuple[float, float] | None:
+    """The 95 % interval of one model's perplexity over another's on the same windows (their ``window_nll``),
+    paired window by window; None with fewer than two windows or windows that differ in number."""
+    if len(model_nll) < 2 or len(model_nll) != len(base_nll):
+        return None
+    diffs = torch.tensor(model_nll, dtype=torch.float64) - torch.tensor(base_nll, dtype=torch.float64)
+    mean, se = float(diffs.mean()), _standard_error(diffs)
+    return math.exp(mean - Z95 * se), math.exp(mean + Z95 * se)
+
+
+def _standard_error(samples: torch.Tensor) -> float:
+    return float(samples.std() / math.sqrt(samples.numel()))
 
 
 def perplexity(
@@ -26,20 +60,22 @@ def perplexity(
     on_batch: Callable[[int], None] | None = None,
 ) -> Perplexity:
     """Score ``windows`` [W, T] (token ids) with ``model``: each window is an independent sequence."""
-    total_nll, total_tokens = 0.0, 0
+    total_nll, total_tokens, window_nll = 0.0, 0, []
     with torch.inference_mode():
         for batch in windows.split(batch_size):
             logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()  # (B, T-1, V)
             targets = batch[:, 1:]
-            nll = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
+            token_nll = nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")  # (B, T-1)
+            nll = token_nll.sum()
             if not torch.isfinite(nll):
                 raise FloatingPointError("the model produced NaN or infinite logits on the evaluation windows")
             total_nll += float(nll)
+            window_nll += token_nll.mean(1).tolist()
             total_tokens += targets.numel()
             if on_batch:
                 on_batch(batch.shape[0])
     mean = total_nll / total_tokens
-    return Perplexity(math.exp(mean), mean, total_tokens)
+    return Perplexity(math.exp(mean), mean, total_tokens, tuple(window_nll))
 
 
 def compare_perplexity(model_spec: str, base_spec: str, dataset: str, windows: int, seq_len: int,

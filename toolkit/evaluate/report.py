@@ -17,8 +17,9 @@ from rich.table import Table
 SCHEMA = "compound.eval/1"
 KEYS = ("schema", "model", "base", "heads", "dataset", "seq_len", "windows_per_slice", "kl_threshold", "slices",
         "overall", "worst_slice", "kl_histogram", "generation", "acceptance", "layer_errors", "seconds")
-SLICE_KEYS = ("tokens", "windows", "perplexity", "base_perplexity", "perplexity_ratio", "kl", "kl_above",
-              "top1_agreement", "top5_agreement")
+SLICE_KEYS = ("tokens", "windows", "perplexity", "perplexity_ci95", "base_perplexity", "perplexity_ratio", "ratio_ci95",
+              "kl", "kl_above", "top1_agreement", "top5_agreement")
+INTERVALS = ("perplexity_ci95", "ratio_ci95")  # [low, high]: 95 % over windows (toolkit.evaluate.perplexity)
 JSON_FILE, MARKDOWN_FILE = "eval.json", "eval.md"
 PLOTS = {"slices": "slices.png", "kl": "kl_histogram.png", "layers": "layer_errors.png"}
 
@@ -60,12 +61,13 @@ def markdown(report: dict, plots: dict[str, str] | None = None) -> list[str]:
 
 
 def slice_lines(report: dict) -> list[str]:
-    """A markdown table of the slices and their total, and which slice degrades most (with a base)."""
-    lines = [f"| slice | tokens | perplexity | base | ratio | KL | KL > {report['kl_threshold']:g} | top-1 | top-5 |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    """A markdown table of the slices and their total, and which slice degrades most (with a base); a key an older
+    report lacks (the intervals) is a dash."""
+    lines = [f"| slice | tokens | perplexity | 95 % CI | base | ratio | 95 % CI (paired) | KL | "
+             f"KL > {report['kl_threshold']:g} | top-1 | top-5 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, row in [*report["slices"].items(), ("overall", report["overall"])]:
         lines.append("| " + " | ".join([f"**{name}**" if name == "overall" else name, str(row["tokens"]),
-                                         *(_cell(row[key], key) for key in SLICE_KEYS[2:])]) + " |")
+                                         *(_cell(row.get(key), key) for key in SLICE_KEYS[2:])]) + " |")
     if report["worst_slice"]:
         worst = report["slices"][report["worst_slice"]]
         lines += ["", f"Degrades most: **{report['worst_slice']}** (perplexity ×{worst['perplexity_ratio']:.3f}, "
@@ -93,11 +95,19 @@ def console_tables(report: dict) -> list[Table]:
             slices.add_column(column, min_width=max(map(len, report["slices"])))
         else:
             slices.add_column(column, justify="right")
-    keys = SLICE_KEYS[2:] if base else SLICE_KEYS[2:3]
-    for name, row in [*report["slices"].items(), ("overall", report["overall"])]:
+    keys = [key for key in (SLICE_KEYS[2:] if base else SLICE_KEYS[2:3]) if key not in INTERVALS]
+    rows = [*report["slices"].items(), ("overall", report["overall"])]
+    for name, row in rows:
         slices.add_row(name, str(row["tokens"]), *(_cell(row[key], key, compact=True) for key in keys),
                        style="bold" if name == report["worst_slice"] else None)
-    tables = [slices]
+    intervals = Table(title="95 % intervals over windows (ratio: paired window by window)", box=box.SIMPLE,
+                      pad_edge=False)
+    for column in ("slice", "windows", "ppl", *(["ratio"] if base else [])):
+        intervals.add_column(column, justify="left" if column == "slice" else "right")
+    for name, row in rows:
+        if row["tokens"]:
+            intervals.add_row(name, str(row["windows"]), *(_cell(row.get(key), key) for key in INTERVALS[:1 + base]))
+    tables = [slices, intervals]
     if report["generation"]:
         gen = Table(title="generation checks (greedy, pass rate)", box=box.SIMPLE)
         for column in ("set", "prompts", "model", "base", "same as base"):
@@ -125,6 +135,8 @@ def _cell(value, key: str = "rate", compact: bool = False) -> str:
     """A table cell; ``compact`` (the terminal) gives perplexities two decimals so the table fits 80 columns."""
     if value is None:
         return "–"
+    if key in INTERVALS:
+        return ("×" if key == "ratio_ci95" else "") + "–".join(f"{v:.3f}" for v in value)
     if not isinstance(value, float):
         return str(value)
     return ("{:.2f}" if compact and key.endswith("perplexity") else _FORMATS[key]).format(value)
@@ -143,6 +155,7 @@ def _plots(report: dict, directory: Path) -> dict[str, str]:
         fig, ax = plt.subplots(figsize=(6, 3))
         ax.bar(names, [100 * (report["slices"][n]["perplexity_ratio"] - 1) for n in names], color="tab:red")
         ax.set_ylabel("perplexity change vs base (%)")
+        ax.set_title("perplexity change per held-out slice")
         ax.axhline(0, color="black", linewidth=0.8)
         drawn["slices"] = _save(fig, directory, PLOTS["slices"])
         hist = report["kl_histogram"]
@@ -152,13 +165,17 @@ def _plots(report: dict, directory: Path) -> dict[str, str]:
         ax.set_yscale("log")
         ax.set_xlabel("KL(base ‖ model) per token, nats")
         ax.set_ylabel("tokens")
+        ax.set_title("KL divergence from the base, per token")
         drawn["kl"] = _save(fig, directory, PLOTS["kl"])
     if report["layer_errors"]:
         fig, ax = plt.subplots(figsize=(6, 3))
         layers = report["layer_errors"]["layers"]
         ax.plot(range(len(layers)), layers, marker="o")
+        if all(e > 0 for e in layers):  # errors grow by orders of magnitude with depth: linear shows the last few
+            ax.set_yscale("log")
         ax.set_xlabel("decoder layer")
         ax.set_ylabel("mean error per linear")
+        ax.set_title(f"quantization error per layer: {report['layer_errors']['measure']}", fontsize=9)
         drawn["layers"] = _save(fig, directory, PLOTS["layers"])
     return drawn
 

@@ -22,7 +22,7 @@ import torch
 from toolkit.calibration.sources import CalibrationError
 from toolkit.evaluate.divergence import KL_EDGES, KL_THRESHOLD, combine, divergence
 from toolkit.evaluate.generation import SETS, run_checks
-from toolkit.evaluate.perplexity import Perplexity, perplexity
+from toolkit.evaluate.perplexity import EVAL_WINDOWS, Perplexity, perplexity, perplexity_interval, ratio_interval
 from toolkit.evaluate.report import SCHEMA, write_report
 from toolkit.evaluate.slices import SLICES, slice_windows
 from toolkit.formats.checkpoint import atomic_directory
@@ -31,17 +31,22 @@ from toolkit.quant.configs import ConfigError
 from toolkit.runtime.load import read_manifest
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
+WINDOWS_PER_SLICE = EVAL_WINDOWS // len(SLICES)
+Phase = Callable[[str, int], Callable[[int], None]]  # (phase, total steps) → what counts the steps done
 
 
 def evaluate(model: str, output: Path | str | None = None, *, base: str | None = None, heads: Path | str | None = None,
-             dataset: str = "sharegpt", windows: int = 16, seq_len: int = 512, kl_threshold: float = KL_THRESHOLD,
-             generation_sets: tuple[str, ...] = SETS, new_tokens: int = 96, head_prompts: int = 4,
-             head_tokens: int = 64, overwrite: bool = False, say: Callable[[str], None] = lambda _: None) -> dict:
+             dataset: str = "sharegpt", windows: int = WINDOWS_PER_SLICE, seq_len: int = 512,
+             kl_threshold: float = KL_THRESHOLD, generation_sets: tuple[str, ...] = SETS, new_tokens: int = 96,
+             head_prompts: int = 4, head_tokens: int = 64, overwrite: bool = False,
+             say: Callable[[str], None] = lambda _: None, progress: Phase | None = None) -> dict:
     """Evaluate ``model`` (a compound checkpoint or any model spec) and return the report (schema
     ``compound.eval/1``); with ``output``, also write ``eval.json``, ``eval.md`` and the plots there (atomically).
 
     windows × seq_len: held-out tokens per slice. generation_sets: which prompt sets to run (empty: none).
     head_prompts × head_tokens: held-out prompts per slice and tokens decoded for ``heads``.
+    say: one line per step; progress(phase, total): starts a phase (scoring a slice, a generation set on a model)
+    and returns what counts its windows or prompts done.
     """
     from toolkit.runtime.load import load_model_or_checkpoint
 
@@ -63,14 +68,14 @@ def evaluate(model: str, output: Path | str | None = None, *, base: str | None =
         raise CalibrationError(f"the eval split of {dataset} fills no {seq_len}-token window; lower --seq-len or pass "
                                "a larger --dataset")
     say("scoring the slices" + (" against the base" if base else ""))
-    slices, scored = _score_slices(target, reference, per_slice, kl_threshold)  # 3
+    slices, scored = _score_slices(target, reference, per_slice, kl_threshold, progress)  # 3
     total = combine(scored) if reference is not None else _total_perplexity(scored)
     generation = None
     if generation_sets:
         say(f"generation checks ({', '.join(generation_sets)}), greedy, {new_tokens} new tokens")
         models = {"model": target, **({"base": reference} if reference is not None else {})}
         generation = {r.set: {key: value for key, value in asdict(r).items() if key != "set"}
-                      for r in run_checks(models, tokenizer, new_tokens, generation_sets)}  # 4
+                      for r in run_checks(models, tokenizer, new_tokens, generation_sets, progress=progress)}  # 4
     del target, reference
     gc.collect()
     acceptance = None
@@ -116,7 +121,8 @@ def layer_errors(model: str) -> dict | None:
     return {"measure": recorded["measure"], "layers": [sum(v) / len(v) for _, v in sorted(by_layer.items())]}
 
 
-def _score_slices(target, reference, per_slice: dict[str, torch.Tensor], kl_threshold: float):
+def _score_slices(target, reference, per_slice: dict[str, torch.Tensor], kl_threshold: float,
+                  progress: Phase | None):
     """Slice → metrics dict (schema keys), and the raw results of the non-empty slices, to total."""
     slices, scored = {}, []
     for name in SLICES:
@@ -124,8 +130,9 @@ def _score_slices(target, reference, per_slice: dict[str, torch.Tensor], kl_thre
         if tokens is None or not tokens.shape[0]:
             slices[name] = _row(None, 0, False)
             continue
-        result = (divergence(target, reference, tokens, kl_threshold=kl_threshold) if reference is not None
-                  else perplexity(target, tokens))
+        advance = progress(f"scoring {name}", tokens.shape[0]) if progress else None
+        result = (divergence(target, reference, tokens, kl_threshold=kl_threshold, on_batch=advance)
+                  if reference is not None else perplexity(target, tokens, on_batch=advance))
         scored.append(result)
         slices[name] = _row(result, tokens.shape[0], reference is not None)
     return slices, scored
@@ -134,19 +141,25 @@ def _score_slices(target, reference, per_slice: dict[str, torch.Tensor], kl_thre
 def _total_perplexity(parts: list[Perplexity]) -> Perplexity:
     tokens = sum(p.tokens for p in parts)
     nll = sum(p.nll * p.tokens for p in parts) / tokens
-    return Perplexity(math.exp(nll), nll, tokens)
+    return Perplexity(math.exp(nll), nll, tokens, tuple(w for p in parts for w in p.window_nll))
 
 
 def _row(result, windows: int, against_base: bool) -> dict:
     """A slice's metrics under the schema's keys (None where not measured)."""
     row = {"tokens": result.tokens if result else 0, "windows": windows,
-           "perplexity": result.perplexity if result else None}
+           "perplexity": result.perplexity if result else None,
+           "perplexity_ci95": _listed(perplexity_interval(result.window_nll)) if result else None}
     measured = result is not None and against_base
     row |= {"base_perplexity": result.base_perplexity if measured else None,
-            "perplexity_ratio": result.perplexity / result.base_perplexity if measured else None}
+            "perplexity_ratio": result.perplexity / result.base_perplexity if measured else None,
+            "ratio_ci95": _listed(ratio_interval(result.window_nll, result.base_window_nll)) if measured else None}
     for key in ("kl", "kl_above", "top1_agreement", "top5_agreement"):
         row[key] = getattr(result, key) if measured else None
     return row
+
+
+def _listed(interval: tuple[float, float] | None) -> list[float] | None:
+    return list(interval) if interval else None
 
 
 def _acceptance(model: str, heads: Path | str, prompts: int, new_tokens: int) -> dict:

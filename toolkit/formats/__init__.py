@@ -18,13 +18,22 @@ PACKED_SUFFIXES = frozenset(s for module in FORMATS.values() for s in module.SUF
 
 
 def choose_format(config: WeightQuantConfig) -> str:
-    """The format ``auto`` stands for: GPTQ for symmetric weights, AWQ for asymmetric 4-bit groups (the layouts
-    with the widest engine support), compressed-tensors for what neither stores."""
+    """The format ``auto`` stands for (``format_choice`` says why)."""
+    return format_choice(config)[0]
+
+
+def format_choice(config: WeightQuantConfig) -> tuple[str, str]:
+    """(the format ``auto`` stands for, why): GPTQ for symmetric weights, AWQ for asymmetric 4-bit groups (the
+    layouts with the widest engine support), compressed-tensors for what neither stores."""
     if config.sym and config.bits in gptq.SUPPORTED_BITS:
-        return gptq.NAME
+        return gptq.NAME, f"auto: symmetric {config.bits}-bit weights are written in the GPTQ layout"
     if not config.sym and config.bits == awq.BITS and config.group_size != -1:
-        return awq.NAME
-    return compressed_tensors.NAME
+        order = " with static groups (no g_idx needed)" if config.act_order else ""
+        return awq.NAME, (f"auto: asymmetric 4-bit{' act-order' if config.act_order else ''} weights{order} are "
+                          "written in the AWQ layout, since engines load GPTQ checkpoints only symmetric")
+    return compressed_tensors.NAME, (f"auto: {'symmetric' if config.sym else 'asymmetric'} {config.bits}-bit "
+                                     f"{'per-channel ' if config.group_size == -1 else ''}weights are stored by "
+                                     "neither the GPTQ nor the AWQ layout")
 
 
 def read_quantization_config(quant: dict) -> Scheme:

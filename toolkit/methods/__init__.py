@@ -3,7 +3,7 @@
 Each driver module registers its driver once, for its config class, with what the driver records in
 ``session.errors`` per linear (comparable across layers of one run, not across methods):
 
-    @driver(GPTQConfig, error_measure="GPTQ loss (Hessian-weighted squared error)")
+    @driver(GPTQConfig, error_measure="Hessian-weighted squared error (GPTQ loss)")
     def quantize_layer(session: LayerSession) -> dict[str, QuantizedWeight]: ...
 
 ``driver_for`` and ``error_measure`` look a config up by its class. Adding a method means a config class in

@@ -24,7 +24,7 @@ from toolkit.quant.finite import all_finite
 from toolkit.quant.gptq import HessianAccumulator, HessianFactor, gptq_factored, hessian_factor
 from toolkit.quant.primitives import QuantizedWeight
 
-ERROR_MEASURE = "GPTQ loss (Hessian-weighted squared error)"  # what ``session.errors`` gets, here and in awq_gptq
+ERROR_MEASURE = "Hessian-weighted squared error (GPTQ loss)"  # what ``session.errors`` gets, here and in awq_gptq
 
 
 @driver(GPTQConfig, error_measure=ERROR_MEASURE)

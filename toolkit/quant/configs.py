@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 from toolkit.options import choices_of, flag_of, help_of, option
 
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
+STANDARD_GROUP_SIZES = (128, 64, 32)  # what an unset group size may become, largest (fewest scales) first
 
 
 class ConfigError(ValueError):
@@ -27,7 +28,8 @@ class ConfigError(ValueError):
 class WeightQuantConfig:
     """Integer weight-only quantization shared by every method.
 
-    bits: code width, 2..8. group_size: input columns per scale (-1: per output channel; 32/64/128).
+    bits: code width, 2..8. group_size: input columns per scale (-1: per output channel; 32/64/128); None until
+    ``fitted`` to a model, which makes it the largest of ``STANDARD_GROUP_SIZES`` dividing every quantized width.
     sym: symmetric grid (zero fixed at 2^(bits-1)). skip: module names or suffixes left in float (lm_head by default).
     act_order / static_groups: the column order the codes were chosen in, which every format must record (only
     methods that reorder columns accept act_order: see ``GPTQConfig``).
@@ -39,7 +41,8 @@ class WeightQuantConfig:
     """
 
     bits: int = option(4, "Weight bits (2..8; the GPTQ format stores 2, 3, 4 or 8).")
-    group_size: int = option(128, "Input columns per scale: 32, 64, 128, or -1 for per channel.")
+    group_size: int | None = option(None, "Input columns per scale: 32, 64, 128, or -1 for per channel (default: the "
+                                          "largest of 128, 64, 32 that divides every quantized linear's input width).")
     sym: bool = option(True, "Symmetric grid (default: the method's own).", flag="--sym/--asym")
     skip: tuple[str, ...] = option(("lm_head",), "Module names (or suffixes) left unquantized; repeatable.")
     seed: int = option(0, "Seed for calibration sampling and any random choice.")
@@ -59,11 +62,31 @@ class WeightQuantConfig:
     def __post_init__(self):
         if not 2 <= self.bits <= 8:
             raise ConfigError(f"bits must be between 2 and 8, got {self.bits}")
-        if self.group_size not in SUPPORTED_GROUP_SIZES:
+        if self.group_size is not None and self.group_size not in SUPPORTED_GROUP_SIZES:
             raise ConfigError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {self.group_size}")
         if self.act_order and not self.reorders_columns:
             raise ConfigError(f"act_order is a GPTQ option; method {self.method!r} has none "
                               f"(use {' or '.join(methods_that('reorders_columns'))})")
+
+    def fitted(self, widths: dict[str, int]) -> tuple[WeightQuantConfig, str | None]:
+        """This config for a model whose quantized linears have input ``widths`` (name → in_features), and why its
+        group size is what it is (None when it was given). An unset group size becomes the largest of
+        ``STANDARD_GROUP_SIZES`` that divides every width; a given one is checked against each (``check_width``)."""
+        if self.group_size is not None:
+            for name, in_features in widths.items():
+                self.check_width(name, in_features)
+            return self, None
+        distinct = sorted(set(widths.values()))
+        for size in STANDARD_GROUP_SIZES:
+            if all(k % size == 0 for k in distinct):
+                larger = [g for g in STANDARD_GROUP_SIZES if g > size]
+                why = f"auto: the largest of {', '.join(map(str, STANDARD_GROUP_SIZES))} dividing every input width"
+                if larger:
+                    name, width = next((n, k) for n, k in widths.items() if k % larger[-1])
+                    why += f"; {larger[-1]} does not divide {width} ({name})"
+                return dataclasses.replace(self, group_size=size), why
+        raise ConfigError(f"no group size of {', '.join(map(str, STANDARD_GROUP_SIZES))} divides every quantized "
+                          f"linear's input width ({', '.join(map(str, distinct))}); pass --group-size -1 (per channel)")
 
     def check_width(self, name: str, in_features: int) -> None:
         """Refuse a linear whose input width the group size does not divide."""
@@ -80,6 +103,16 @@ class WeightQuantConfig:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["skip"] = list(self.skip)
         return {"method": self.method, **out}
+
+
+def describe_act_order(act_order: bool, static_groups: bool, group_size: int | None) -> str:
+    """The column order codes were chosen in, in the manifest's terms: "on (static groups)", "on (dynamic groups)",
+    "on (per channel)" or "off"."""
+    if not act_order:
+        return "off"
+    if group_size == -1:
+        return "on (per channel)"
+    return "on (static groups)" if static_groups else "on (dynamic groups)"
 
 
 def _option_of(cls: type, name: str, default: Any = dataclasses.MISSING) -> Any:

@@ -12,7 +12,7 @@ def quantize(recipe: Recipe, console) -> dict:
     from toolkit.quantize import quantize
 
     q = recipe.quantize
-    console.print(f"quantizing {recipe.model}: {q.config.method} W{q.config.bits} g{q.config.group_size} → "
+    console.print(f"quantizing {recipe.model}: {q.config.method} W{q.config.bits} g{'auto' if q.config.group_size is None else q.config.group_size} → "
                   f"{recipe.checkpoint}")
     result = quantize(recipe.model, q.config, recipe.checkpoint, recipe.calibration, q.settings, overwrite=True)
     size = sum(p.stat().st_size for p in recipe.checkpoint.rglob("*") if p.is_file())
