@@ -80,6 +80,18 @@ BYTE_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }
                       "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
+def perturb_biases_and_norms(model):
+    """Give a random tiny model nonzero biases (N(0, 0.2)) and norm weights away from their init (+ N(0, 0.2)), so
+    that a forward that drops a bias or a norm weight shows in its logits."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.2)
+            elif "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
 def byte_tokenizer():
     """A byte-level tokenizer of exactly 256 ids (one per byte, no merges, no special tokens) with a plain chat
     template, built in memory: calibration data for models of ``vocab=256``."""

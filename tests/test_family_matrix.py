@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import byte_tokenizer, tiny_config
+from conftest import byte_tokenizer, perturb_biases_and_norms, tiny_config
 from toolkit.architectures import FAMILIES, supporting
 from toolkit.decode import Decoder, generate
 from toolkit.models import layer_linears
@@ -40,12 +40,8 @@ def spread(model, logit_scale=40.0):
     """Make a random tiny model exercise everything: nonzero biases and norm weights, logits of order 1 to 10 (the
     final norm scaled, since the LM head may be the embedding: a scaled embedding would drown the layers' outputs)."""
     offset = FAMILIES[model.config.model_type].norm_offset
+    perturb_biases_and_norms(model)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.2)
-            elif "norm" in name:
-                p.add_(torch.randn_like(p) * 0.2)
         final = model.model.norm.weight
         final.copy_((offset + final) * logit_scale - offset)
     return model

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import tiny_config, tiny_model
+from conftest import perturb_biases_and_norms, tiny_config, tiny_model
 from toolkit.architectures import supporting
 from toolkit.decode import Decoder, DecodeError
 from toolkit.decode.tree import ancestor_mask, depths
@@ -18,12 +18,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def spread(model, logit_scale=40.0):
     """Make a random tiny model exercise everything: nonzero biases and norm weights, logits of order 1 to 10."""
+    perturb_biases_and_norms(model)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.2)
-            elif "norm" in name:
-                p.add_(torch.randn_like(p) * 0.2)
         model.get_output_embeddings().weight.mul_(logit_scale)
     return model
 
