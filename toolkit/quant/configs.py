@@ -17,7 +17,8 @@ from typing import Any, ClassVar
 from toolkit.options import choices_of, flag_of, help_of, option
 
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
-STANDARD_GROUP_SIZES = (128, 64, 32)  # what an unset group size may become, largest (fewest scales) first
+# what an unset group size may become, largest (fewest scales) first
+STANDARD_GROUP_SIZES = tuple(sorted((g for g in SUPPORTED_GROUP_SIZES if g > 0), reverse=True))
 
 
 class ConfigError(ValueError):
