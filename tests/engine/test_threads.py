@@ -14,24 +14,44 @@ from toolkit.quant.configs import ConfigError
 VERBS = ("quantize", "convert", "decode", "eval", "validate", "train-heads", "run")
 
 
-@pytest.mark.parametrize("cores,load,own,expected", [
-    (2, 0.0, 0.0, 2),  # a quiet machine: every core
-    (2, 4.5, 0.0, 1),  # other jobs keep both cores busy: one thread, never zero
-    (8, 3.4, 0.0, 5),  # round(8 − 3.4)
-    (8, 3.6, 0.0, 4),  # round(8 − 3.6)
-    (4, 2.6, 1.0, 2),  # this process's own 1.0 of the load is not someone else's: round(4 − 1.6)
-    (4, 0.3, 1.0, 4),  # our share above the load average: capped at the cores
+@pytest.mark.parametrize("cores,others,expected", [
+    (2, 0.0, 2),  # a quiet machine: every core
+    (2, 4.5, 1),  # other jobs keep both cores busy: one thread, never zero
+    (8, 3.4, 5),  # round(8 − 3.4)
+    (8, 3.6, 4),  # round(8 − 3.6)
+    (4, -0.2, 4),  # a sample below zero (our own CPU counted twice): capped at the cores
 ])
-def test_auto_takes_the_cores_other_processes_leave(cores, load, own, expected):
-    assert threads.auto_threads(cores, load, own) == expected
+def test_auto_takes_the_cores_other_processes_leave(cores, others, expected):
+    assert threads.auto_threads(cores, others) == expected
 
 
-def test_auto_reads_affinity_and_load_average(monkeypatch):
+def test_auto_reads_affinity_and_what_others_keep_busy(monkeypatch):
     monkeypatch.setattr(threads, "available_cores", lambda: 6)
-    monkeypatch.setattr(threads.os, "getloadavg", lambda: (2.25, 9.0, 9.0))  # the 1-minute figure counts
-    monkeypatch.setattr(threads, "own_load", lambda: 0.25)
+    monkeypatch.setattr(threads, "others_busy_cores", lambda: (2.0, "busy now"))
     chosen = threads.choose("auto", environ={})
-    assert chosen.count == 4 and chosen.reason == "auto: 6 cores, load 2.0 from other processes"
+    assert chosen.count == 4 and chosen.reason == "auto: 6 cores, 2.0 busy with other processes (busy now)"
+
+
+def test_a_busy_core_beside_us_is_seen():
+    """A real /proc/stat sample: a spinning child process counts as (most of) one busy core."""
+    import multiprocessing
+    import time as clock
+
+    stop = multiprocessing.Event()
+    spinner = multiprocessing.Process(target=_spin, args=(stop,))
+    spinner.start()
+    try:
+        clock.sleep(0.3)
+        beside, how = threads.others_busy_cores(seconds=0.5)
+    finally:
+        stop.set()
+        spinner.join()
+    assert how == "busy now" and beside >= 0.6
+
+
+def _spin(stop):
+    while not stop.is_set():
+        pass
 
 
 def test_auto_keeps_omp_num_threads_and_a_count_is_taken_as_given():
