@@ -50,6 +50,13 @@ def test_library_progress_bars_stay_off_outside_a_terminal_unless_asked(tiny_lla
     assert "Loading weights" in compound(*args, HF_HUB_DISABLE_PROGRESS_BARS="0")
 
 
+@pytest.mark.slow
+def test_the_gguf_readers_bar_stays_off_outside_a_terminal():
+    """transformers' GGUF reader calls tqdm itself, past its own switch: the embedded model loads silently."""
+    output = compound("decode", "--model", "smollm2-135m", "--prompt", "Hi", "--max-new-tokens", "1")
+    assert "de-quantizing GGUF tensors" not in output, output
+
+
 @pytest.mark.parametrize("spec", ["./tiny-lama", "~/no-such-dir/model", "models/tiny/lama", "/no/such/model",
                                   "tiny-lama.gguf"])
 def test_a_mistyped_local_path_is_refused_without_asking_the_hub(tmp_path, monkeypatch, spec):

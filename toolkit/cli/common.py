@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from pathlib import Path
@@ -61,6 +62,13 @@ def start(ctx: typer.Context, options: dict):
         if transformers_logging.is_progress_bar_enabled():  # also huggingface_hub's
             transformers_logging.disable_progress_bar()
             restore.append(transformers_logging.enable_progress_bar)
+        # transformers' GGUF reader calls tqdm.auto directly ("Converting and de-quantizing GGUF tensors..."), which
+        # that switch does not reach: its module-level name is replaced by a silenced one for the command.
+        from transformers import modeling_gguf_pytorch_utils as gguf_reader
+
+        bar = gguf_reader.tqdm
+        gguf_reader.tqdm = functools.partial(bar, disable=True)
+        restore.append(lambda: setattr(gguf_reader, "tqdm", bar))
     for undo in restore:
         ctx.call_on_close(undo)
     console.print(f"threads: {chosen}")
