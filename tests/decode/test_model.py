@@ -244,3 +244,34 @@ def test_fast_head_decodes_the_same_greedy_tokens():
     fast_decoder = Decoder.from_model(model, 40, fast_head=True)
     fast, _ = generate(fast_decoder, ids, 32)
     assert type(fast_decoder.lm_head).__name__ == "RescoredHead" and torch.equal(fast, exact)
+
+
+def _int4(linear: nn.Linear) -> nn.Module:
+    """``linear`` as the runtime's int4 QuantLinear (GPTQ layout, W4 g32, torch's CPU int4 op)."""
+    from toolkit.formats import gptq
+    from toolkit.quant.primitives import quantize_rtn
+    from toolkit.runtime.quant_linear import QuantLinear
+
+    packed = gptq.pack(quantize_rtn(linear.weight.detach(), 4, 32, True))
+    return QuantLinear(gptq, linear.in_features, linear.out_features, 4, 32, packed, linear.bias, backend="cpu-int4")
+
+
+def test_int4_rows_decode_alike_alone_or_in_a_block():
+    """Speculative verification is lossless only if a token's hidden state is the same bits whether it is decoded
+    alone (greedy) or among the rows of a block (prefill, verification). The int4 op rounds its input to bf16, so
+    float32 attention's row-count-dependent reductions (~1e-7) became different tokens on an AVX2 CPU (SmolLM2 W4
+    hidden states 0.4 apart; tiny random models do not show it)."""
+    from toolkit.models import load_model
+
+    model = load_model("smollm2-135m")
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, _int4(child))
+    ids = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(11))
+    alone = Decoder.from_model(model, max_len=48)
+    one_by_one = torch.cat([alone(ids[t:t + 1], t)[1] for t in range(len(ids))])
+    blocks = Decoder.from_model(model, max_len=48)
+    in_blocks = torch.cat([blocks(ids[:17], 0)[1], blocks(ids[17:26], 17)[1], blocks(ids[26:], 26)[1]])
+    assert torch.equal(one_by_one, in_blocks)

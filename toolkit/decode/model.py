@@ -95,6 +95,7 @@ class Decoder:
         self.scale = (config.query_pre_attn_scalar if self.family.query_pre_attn_scalar else self.head_dim) ** -0.5
         self.attn_softcap = getattr(config, "attn_logit_softcapping", None) if self.family.softcap else None
         self.final_softcap = getattr(config, "final_logit_softcapping", None) if self.family.softcap else None
+        self.attn_dtype = attention_dtype(self.dtype)
         self.layers = [self._layer(i, layer) for i, layer in enumerate(base.layers)]
         self.rope = {key: rope_frequencies(model, key) for key in {layer.rope for layer in self.layers}}
         if feature_layers is not None and (list(feature_layers) != sorted(set(feature_layers))
@@ -212,26 +213,26 @@ class Decoder:
         v = v.transpose(0, 1).unsqueeze(0)  # (1, KVH, T, hd)
         self.cache.write(i, start, k, v)
         k, v = self.cache.read(i, start + T)  # (1, KVH, start + T, hd)
-        # In the model dtype, as vLLM's CPU backend computes it. Upcasting a bf16 model's attention to fp32 would be
-        # 2.5x faster per decode step on this CPU, but moves bf16 greedy paths away from vLLM's: the EAGLE-3 W4
-        # acceptance predicted for vLLM fell from 1.47 to 1.27 against vLLM's 1.53 (tests/integration/test_vllm_eagle).
+        q, k, v = q.to(self.attn_dtype), k.to(self.attn_dtype), v.to(self.attn_dtype)
         if self.attn_softcap is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                                  enable_gqa=self.n_kv_heads != self.n_heads)  # (1, H, T, hd)
         else:
             out = self._capped_attention(q, k, v, mask)
+        out = out.to(self.dtype)
         return layer.o_proj(out[0].transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
 
     def _capped_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           mask: torch.Tensor | None) -> torch.Tensor:
-        """softmax(c · tanh(q·kᵀ · scale / c)) · v, the softmax in fp32; q (1, H, T, hd), k and v (1, KVH, S, hd)."""
+        """softmax(c · tanh(q·kᵀ · scale / c)) · v, the softmax in fp32 at least; q (1, H, T, hd), k and v (1, KVH, S, hd)."""
         groups = self.n_heads // self.n_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (1, H, S, hd)
         scores = q @ k.transpose(-1, -2) * self.scale  # (1, H, T, S)
         scores = torch.tanh(scores / self.attn_softcap) * self.attn_softcap
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
-        return scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype) @ v  # (1, H, T, hd)
+        probs = scores.softmax(dim=-1, dtype=torch.promote_types(q.dtype, torch.float32))
+        return probs.to(q.dtype) @ v  # (1, H, T, hd)
 
     def _mask(self, start: int, positions: torch.Tensor, tree_mask: torch.Tensor | None,
               window: int | None) -> torch.Tensor | None:
@@ -254,6 +255,24 @@ class Decoder:
         if self.family.norm_offset:
             return (x32 * (self.family.norm_offset + weight.float())).to(x.dtype)
         return weight * x32.to(x.dtype)
+
+
+def attention_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the attention of a ``dtype`` model computes in.
+
+    float32 models: float64, so that a query's attention rounds to the same float32 whether it is computed alone
+    (greedy decoding) or among the rows of a prefill or a speculative tree (verification). In float32, scores and
+    sums take a reduction order that depends on the number of query rows (~1e-7 apart), and the int4 linears round
+    their input to bf16, which turns such a difference into a different bf16 value now and then, then a different
+    token: on an AVX2 CPU (no AVX-512) SmolLM2 W4's hidden states differed by up to 0.4 between a 10-token block
+    and one token at a time, and speculative decoding was not lossless. In float64 the two agree bit for bit
+    (tests/decode/test_model.py), at no measurable cost on SmolLM2 (attention is a few % of a step).
+
+    Other dtypes: the model dtype, as vLLM's CPU backend computes it. Upcasting a bf16 model's attention would move
+    bf16 greedy paths away from vLLM's: in fp32 the EAGLE-3 W4 acceptance predicted for vLLM fell from 1.47 to 1.27
+    against vLLM's 1.53 (tests/integration/test_vllm_eagle).
+    """
+    return torch.float64 if dtype == torch.float32 else dtype
 
 
 def _parts(outputs: tuple[torch.Tensor, ...], n: int, sizes: tuple[int, ...] | None = None
