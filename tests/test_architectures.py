@@ -30,6 +30,7 @@ def test_coverage_is_what_compound_supports():
     assert supporting() == every
     assert supporting("decode") == every
     assert supporting("eagle") == ("llama", "mistral", "qwen2", "qwen3")
+    assert supporting("gguf") == ("llama",)
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
@@ -118,7 +119,7 @@ def test_the_readme_lists_what_the_table_declares():
     for name, row in rows.items():
         entry = FAMILIES[name]
         assert row["quantize"] == ", ".join(METHODS), name
-        assert row["formats"] == ", ".join(FORMATS), name
+        assert row["formats"] == ", ".join([*FORMATS, *(["gguf"] if entry.gguf else [])]), name
         assert row["decode"] == ("yes" if entry.decode else "no"), name
         heads = (["medusa"] if entry.decode else []) + (["eagle", "eagle3"] if entry.eagle else [])
         assert row["heads"] == (", ".join(heads) or "none"), name

@@ -19,7 +19,8 @@ Linears inside a decoder layer are found by module type and how they share input
 |             | sliding layers, the global one with its scaling on full ones); soft-capping only where set     |
 
 What compound does with each: every family quantizes to every format; ``decode`` marks those ``toolkit.decode`` runs
-(and so Medusa heads, selected in that loop) and ``eagle`` those EAGLE heads (``toolkit.heads.eagle``) can draft for.
+(and so Medusa heads, selected in that loop), ``eagle`` those EAGLE heads (``toolkit.heads.eagle``) can draft for, and
+``gguf`` those written as GGUF files for llama.cpp (``toolkit.formats.gguf``).
 A Mixture-of-Experts layout is one more field of an entry (its experts and router replace the dense MLP).
 """
 
@@ -48,7 +49,8 @@ class Family:
     rope_by_layer_type: ``config.rope_parameters`` holds one scheme per layer type, the rotary module one
     ``{layer_type}_inv_freq`` each (Gemma 3). awq_groups: (preceding module, linears sharing its output) per decoder
     layer, the scaling groups of AWQ (arXiv 2306.00978 §3.2), paths relative to the layer. decode: ``toolkit.decode``
-    runs it. eagle: EAGLE heads can draft for it.
+    runs it. eagle: EAGLE heads can draft for it. gguf: ``compound convert --format gguf`` writes it as GGUF's
+    ``llama`` architecture (``toolkit.formats.gguf``).
     """
 
     layers: str = "model.layers"
@@ -69,6 +71,7 @@ class Family:
     )
     decode: bool = True
     eagle: bool = True
+    gguf: bool = False
 
     @property
     def mlp_norm(self) -> str:
@@ -86,7 +89,7 @@ _GEMMA2 = dataclasses.replace(
 )
 
 FAMILIES: dict[str, Family] = {
-    "llama": _LLAMA,
+    "llama": dataclasses.replace(_LLAMA, gguf=True),
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
     "qwen3": dataclasses.replace(_LLAMA, qk_norm=True),
@@ -100,7 +103,7 @@ FAMILIES: dict[str, Family] = {
     "gemma2": _GEMMA2,
     "gemma3_text": dataclasses.replace(_GEMMA2, qk_norm=True, rope_by_layer_type=True),
 }
-CAPABILITIES = ("decode", "eagle")
+CAPABILITIES = ("decode", "eagle", "gguf")
 
 
 class UnsupportedFamily(ValueError):

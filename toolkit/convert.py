@@ -11,6 +11,7 @@ hold exactly is refused with the reason (FORMATS.md §2–§4):
 | awq                | bits ≠ 4, per-channel scales (group_size −1), act-order groups (AWQ has no g_idx)     |
 | compressed-tensors | bits not 4 or 8, act-order groups (``actorder: group`` is no longer read), INT8 KV scales |
 | any                | a scale the target's scale dtype cannot hold exactly (e.g. bf16 scales into fp16)     |
+| gguf (a file)      | group size ≠ 32, act-order groups, asymmetric 8 bits, a non-llama family (``toolkit.gguf_export``) |
 
 The manifest keeps the original quantization record and appends the conversion (formats, source path and the
 source's file hashes) to ``conversions``.
@@ -24,13 +25,14 @@ from pathlib import Path
 
 import torch
 
-from toolkit.formats import FORMATS, compressed_tensors
+from toolkit.formats import FORMATS, compressed_tensors, gguf
 from toolkit.formats.checkpoint import MANIFEST, WEIGHTS_INDEX, read_tensors, write_directory
 from toolkit.quant import kv_cache as kv
 from toolkit.quant.configs import ConfigError, make_config
 from toolkit.quant.primitives import QuantizedWeight
 from toolkit.version import __version__
 
+TARGETS = (*FORMATS, gguf.NAME)  # what ``convert`` writes: the directory layouts, and GGUF files
 _NOT_COPIED = {WEIGHTS_INDEX, "config.json", "quantize_config.json", MANIFEST}  # rewritten, not copied
 
 
@@ -38,15 +40,20 @@ class ConversionError(ConfigError):
     """A conversion the target layout cannot represent exactly; the message says why."""
 
 
-def convert(model: Path | str, fmt: str, output: Path | str, *, overwrite: bool = False) -> Path:
-    """Re-pack the compound checkpoint ``model`` as ``fmt`` (gptq | awq | compressed-tensors) into ``output``.
+def convert(model: Path | str, fmt: str, output: Path | str, *, overwrite: bool = False, outtype: str = "F16") -> Path:
+    """Re-pack the compound checkpoint ``model`` as ``fmt`` (one of ``TARGETS``) into ``output``. ``gguf`` writes
+    one file (``toolkit.gguf_export``; a float ``model`` in ``outtype``).
 
-    Steps: 1. read the source's config, manifest and numerics, refuse a target that cannot hold them; 2. read its
+    Steps for a directory layout: 1. read the source's config, manifest and numerics, refuse a target that cannot hold them; 2. read its
     tensors; 3. re-pack every quantized linear, checking the round trip; 4. write the new directory atomically.
     """
+    if fmt == gguf.NAME:
+        from toolkit.gguf_export import export_gguf
+
+        return export_gguf(model, output, outtype, overwrite)
     source, output = Path(model), Path(output)
     if fmt not in FORMATS:
-        raise ConfigError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+        raise ConfigError(f"unknown format {fmt!r}; choose one of {', '.join(TARGETS)}")
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
     config_json, manifest = _read_json(source, "config.json"), _read_json(source, MANIFEST)  # 1
@@ -86,7 +93,7 @@ def convert(model: Path | str, fmt: str, output: Path | str, *, overwrite: bool 
 
     def copy_extras(staging: Path) -> None:  # tokenizer, generation config, model card
         for path in sorted(source.iterdir()):
-            if path.is_file() and path.name not in _NOT_COPIED and path.suffix != ".safetensors":
+            if path.is_file() and path.name not in _NOT_COPIED and path.suffix not in (".safetensors", ".gguf"):
                 shutil.copy2(path, staging / path.name)
 
     return write_directory(output, out, {**config_json, "quantization_config": quantization_config},  # 4

@@ -80,6 +80,10 @@ class QuantizeSettings:
     stream: bool = option(False, "Load each decoder layer from the safetensors shards of a local model directory only "
                           "when it is quantized, and write it out at once: for models larger than memory.",
                           flag="--stream/--no-stream")
+    gguf: bool = option(False, "Also write the checkpoint as one GGUF file for llama.cpp inside --output "
+                        "(<name>-Q4_0.gguf from symmetric 4-bit, -Q4_1 from asymmetric, -Q8_0 from symmetric 8-bit; "
+                        "its own codes, not re-rounded): needs --group-size 32, no dynamic act-order, a llama model.",
+                        flag="--gguf/--no-gguf")
     offload_activations: bool = option(False, "Keep calibration activations between layers on disk (next to "
                                        "--output) instead of in memory.")
     batch_size: int = option(8, "Calibration sequences run through a layer at once; fewer need less memory.")
@@ -175,6 +179,9 @@ def quantize(
         choices["group size"] = f"{config.group_size} ({group_reason})"
         if progress:
             progress.step(f"group size {choices['group size']}")
+    gguf_file = _gguf_file(output, config, skeleton.config) if settings.gguf else None
+    if gguf_file is not None:
+        choices["gguf"] = f"{gguf_file.name} (--gguf)"
     tokenizer = load_tokenizer(model_spec, trust_remote_code)
     if needs_tokens:  # RTN without KV scales reads no calibration tokens, so its --seq-len is unused
         check_seq_len(model_spec, calibration.seq_len, trust_remote_code)
@@ -236,7 +243,7 @@ def quantize(
         return _result(output, started, errors, plan, config, choices)
     if stream:
         errors = _quantize_streamed(output, model, shards, tokenizer, packed, run_layers, dtype, overwrite,
-                                    quantization_config, manifest)
+                                    quantization_config, manifest, _gguf_writer(gguf_file, model_spec))
         distributed.barrier()
         return _result(output, started, errors, plan, config, choices)
     errors = run_layers()
@@ -252,9 +259,29 @@ def quantize(
             quantization_config["kv_cache_scheme"] = kv.kv_cache_scheme(kv_cache, kv_cache_strategy)
     if writes:
         write_checkpoint(output, model, tokenizer, packed, quantization_config, manifest(errors, kv_info), dtype,  # 9
-                         overwrite, extra_tensors=kv_tensors)
+                         overwrite, extra_tensors=kv_tensors, then=_gguf_writer(gguf_file, model_spec))
     distributed.barrier()
     return _result(output, started, errors, plan, config, choices)
+
+
+def _gguf_file(output: Path, config: WeightQuantConfig, model_config) -> Path:
+    """Where ``--gguf`` writes inside ``output``; FormatError (before any weight is read) for a grid or family GGUF
+    cannot hold."""
+    from toolkit.formats import gguf_blocks
+    from toolkit.gguf_export import check_family, file_name
+
+    check_family(model_config)
+    dynamic = config.act_order and not config.static_groups and config.group_size != -1
+    return file_name(output, gguf_blocks.block_type(config.bits, config.sym, config.group_size, dynamic))
+
+
+def _gguf_writer(gguf_file: Path | None, model_spec: str):
+    """``then`` of the checkpoint writer: the GGUF file of the checkpoint being written (None: nothing)."""
+    if gguf_file is None:
+        return None
+    from toolkit.gguf_export import checkpoint_gguf
+
+    return lambda staging: checkpoint_gguf(staging, staging / gguf_file.name, model_spec)
 
 
 def _remove_leftovers(output: Path, progress: Progress | None) -> None:
@@ -288,7 +315,7 @@ def _memory_plan(skeleton, config, samples, seq_len, stream, offload, batch_size
 
 
 def _quantize_streamed(output, model, shards, tokenizer, packed, run_layers, dtype, overwrite, quantization_config,
-                       manifest) -> dict[str, float]:
+                       manifest, then=None) -> dict[str, float]:
     """Steps 7 and 9 of ``quantize`` when streamed: inside the atomic output directory, each decoder layer is written
     to its own shard (packed linears + its float tensors) as the engine releases it, then each tensor outside the
     layers to a shard of its own, the index, configs, tokenizer and manifest."""
@@ -308,7 +335,7 @@ def _quantize_streamed(output, model, shards, tokenizer, packed, run_layers, dty
             writer.write(float_tensors({name: tensor}, set(), dtype))
         writer.write_index()
         write_metadata(staging, export_config(model, dtype, quantization_config), manifest(errors),
-                       model_extras(model, tokenizer))
+                       model_extras(model, tokenizer, then))
     return errors
 
 

@@ -93,13 +93,14 @@ def fail(err: Exception) -> None:
 def user_errors() -> tuple[type[Exception], ...]:
     from toolkit.calibration import CalibrationError
     from toolkit.formats.checkpoint import OutputError
+    from toolkit.formats.scheme import FormatError
     from toolkit.models import ModelError
     from toolkit.quant.configs import ConfigError
     from toolkit.quant.finite import NonFiniteError
     from toolkit.runtime.load import CheckpointError
 
-    return (ConfigError, ModelError, CalibrationError, CheckpointError, NonFiniteError, OutputError, FileExistsError,
-            FileNotFoundError)
+    return (ConfigError, ModelError, CalibrationError, CheckpointError, NonFiniteError, OutputError, FormatError,
+            FileExistsError, FileNotFoundError)
 
 
 def dir_size(path: Path) -> int:

@@ -16,12 +16,15 @@ from toolkit.cli.render import fit
 from toolkit.decode.kv_cache import CACHE_DTYPES
 from toolkit.engine.threads import ThreadSettings
 from toolkit.evaluate.perplexity import EVAL_WINDOWS
-from toolkit.formats import FORMATS
+from toolkit.convert import TARGETS
+from toolkit.formats import FORMATS, gguf
 from toolkit.quant.configs import DEFAULT_METHOD, METHODS, describe_act_order
 from toolkit.quantize import CalibrationSpec, QuantizeSettings
 
 MethodName = flags.choice(METHODS)
 FormatName = flags.choice(FORMATS)
+TargetName = flags.choice(TARGETS)
+FloatName = flags.choice(gguf.FLOAT_TYPES)
 CacheName = flags.choice(CACHE_DTYPES)
 
 
@@ -124,10 +127,15 @@ def _check_eval(windows: int, calibration: CalibrationSpec) -> None:
 @flags.derived(ThreadSettings)
 def convert(
     ctx: typer.Context,
-    model: Path = typer.Option(..., help="A compound checkpoint directory."),
-    fmt: FormatName = typer.Option(..., "--format", help="Target layout."),
-    output: Path = typer.Option(..., "--output", "-o", help="Checkpoint directory to create."),
-    overwrite: bool = typer.Option(False, help="Replace an existing output directory."),
+    model: str = typer.Option(..., help="A compound checkpoint directory; for --format gguf also any model spec (a "
+                                        "float export in --outtype)."),
+    fmt: TargetName = typer.Option(..., "--format", help="Target layout; gguf: one file for llama.cpp (Q4_0 from "
+                                   "symmetric 4-bit, Q4_1 from asymmetric 4-bit, Q8_0 from symmetric 8-bit, written "
+                                   "from the checkpoint's own codes; group size 32 without act-order, else refused "
+                                   "with the reason: nothing is re-rounded)."),
+    output: Path = typer.Option(..., "--output", "-o", help="Checkpoint directory (or .gguf file) to create."),
+    outtype: FloatName = typer.Option("F16", help="--format gguf of a float model: the type of its weights."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output."),
     **options,
 ):
     """Re-pack a checkpoint into another layout, bit-exact, without re-quantizing (refused where the math differs)."""
@@ -136,10 +144,11 @@ def convert(
     start(ctx, options)
 
     try:
-        out = run_convert(model, fmt, output, overwrite=overwrite)
+        out = run_convert(model, fmt, output, overwrite=overwrite, outtype=outtype)
     except user_errors() as err:
         fail(err)
-    console.print(f"wrote {fmt} checkpoint {out} ({dir_size(out) / 2**20:.1f} MiB)")
+    size = out.stat().st_size if out.is_file() else dir_size(out)
+    console.print(f"wrote {fmt} {'file' if out.is_file() else 'checkpoint'} {out} ({size / 2**20:.1f} MiB)")
 
 
 @app.command()

@@ -104,8 +104,8 @@ def remove_leftovers(output: Path) -> list[str]:
     removed = []
     for path in sorted(output.parent.iterdir()):
         match = pattern.fullmatch(path.name)
-        if match and path.is_dir() and not _running(int(match[1])):
-            shutil.rmtree(path)
+        if match and not _running(int(match[1])):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
             removed.append(path.name)
     return removed
 
@@ -135,12 +135,14 @@ def _make_sibling(output: Path, kind: str) -> Path:
     """A new directory ``.<name>.<kind>-<pid>-<hex>`` beside ``output`` (its parents made), with the umask's
     permissions."""
     output.parent.mkdir(parents=True, exist_ok=True)
-    path = _sibling(output, kind)
+    path = sibling(output, kind)
     path.mkdir()
     return path
 
 
-def _sibling(output: Path, kind: str) -> Path:
+def sibling(output: Path, kind: str) -> Path:
+    """A new hidden sibling path of ``output`` for this process (``.<name>.<kind>-<pid>-<hex>``), which
+    ``remove_leftovers`` removes once this process is gone."""
     return output.parent / f".{output.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
@@ -188,7 +190,7 @@ def _swap_in(staging: Path, output: Path) -> None:
         os.replace(staging, output)
         _fsync(output.parent)
         return
-    trash = _sibling(output, "old")
+    trash = sibling(output, "old")
     os.replace(output, trash)
     try:
         os.replace(staging, output)
@@ -266,27 +268,33 @@ def write_checkpoint(
     *,
     extra_tensors: dict[str, torch.Tensor] | None = None,
     max_shard_size: int | str = MAX_SHARD_SIZE,
+    then: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write model + quantized tensors + tokenizer + configs + manifest to ``output`` atomically.
 
     quantized: ``{module name: {suffix: tensor}}`` in the target layout; those modules' float weights are left out.
     extra_tensors: further tensors by full name, written as given (e.g. the KV-cache scales ``…self_attn.k_scale``).
+    then: writes more files into the staging directory once tensors, configs and tokenizer are there (a GGUF copy),
+    before the manifest hashes every file.
     """
     tensors = float_state_dict(model, set(quantized), dtype)
     tensors.update(packed_tensors(quantized))
     tensors.update({name: t.contiguous() for name, t in (extra_tensors or {}).items()})
     config = export_config(model, dtype, quantization_config)
-    return write_directory(output, tensors, config, manifest, model_extras(model, tokenizer), overwrite,
+    return write_directory(output, tensors, config, manifest, model_extras(model, tokenizer, then), overwrite,
                            max_shard_size)
 
 
-def model_extras(model: nn.Module, tokenizer) -> Callable[[Path], None]:
-    """``save_extras`` for a model's directory: its generation config (when it has one) and its tokenizer."""
+def model_extras(model: nn.Module, tokenizer, then: Callable[[Path], None] | None = None) -> Callable[[Path], None]:
+    """``save_extras`` for a model's directory: its generation config (when it has one) and its tokenizer, then
+    whatever ``then(staging)`` writes."""
 
     def save_extras(staging: Path) -> None:
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        if then is not None:
+            then(staging)
 
     return save_extras
 

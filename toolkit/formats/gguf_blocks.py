@@ -44,25 +44,31 @@ BLOCK_BYTES = {"Q4_0": 2 + BLOCK_SIZE // 2, "Q4_1": 2 + 2 + BLOCK_SIZE // 2, "Q8
 _FP16_MAX = 65504.0
 
 
-def _type_of(qweight: QuantizedWeight) -> str:
-    """The GGUF block type that stores ``qweight``'s grid exactly; FormatError naming the reason otherwise."""
-    if qweight.group_size != BLOCK_SIZE:
-        raise FormatError(f"GGUF blocks hold {BLOCK_SIZE} weights; group_size {qweight.group_size} cannot be written "
+def block_type(bits: int, sym: bool, group_size: int, act_order: bool = False) -> str:
+    """The GGUF block type that stores a grid of these numerics exactly; FormatError naming the reason and the flag
+    to change otherwise (checked before any weight is read)."""
+    if group_size != BLOCK_SIZE:
+        raise FormatError(f"GGUF blocks hold {BLOCK_SIZE} weights; group_size {group_size} cannot be written "
                           f"exactly: quantize with --group-size {BLOCK_SIZE}")
-    N, K = qweight.codes.shape
-    if K % BLOCK_SIZE or not torch.equal(qweight.g_idx.long(), default_g_idx(K, BLOCK_SIZE).long()):
-        raise FormatError("GGUF blocks need contiguous groups of 32 columns; this weight has a permuted g_idx "
-                          "(dynamic act-order): quantize with --no-act-order or static groups")
-    if qweight.bits == 4:
-        name = "Q4_0" if qweight.sym else "Q4_1"
-    elif qweight.bits == 8 and qweight.sym:
-        name = "Q8_0"
-    elif qweight.bits == 8:
+    if act_order:
+        raise FormatError("GGUF blocks need contiguous groups of 32 columns; dynamic act-order permutes them: "
+                          "quantize with --no-act-order or static groups")
+    if bits == 4:
+        return "Q4_0" if sym else "Q4_1"
+    if bits == 8 and sym:
+        return "Q8_0"
+    if bits == 8:
         raise FormatError("GGUF has no asymmetric 8-bit block type (Q8_1 is activation-only): quantize 8-bit "
                           "weights with --sym")
-    else:
-        raise FormatError(f"GGUF export writes 4-bit (Q4_0/Q4_1) or 8-bit (Q8_0) grids, not {qweight.bits}-bit: "
-                          f"quantize with --bits 4 or --bits 8")
+    raise FormatError(f"GGUF export writes 4-bit (Q4_0/Q4_1) or 8-bit (Q8_0) grids, not {bits}-bit: "
+                      f"quantize with --bits 4 or --bits 8")
+
+
+def _type_of(qweight: QuantizedWeight) -> str:
+    """The GGUF block type that stores ``qweight``'s grid exactly; FormatError naming the reason otherwise."""
+    N, K = qweight.codes.shape
+    permuted = K % BLOCK_SIZE or not torch.equal(qweight.g_idx.long(), default_g_idx(K, BLOCK_SIZE).long())
+    name = block_type(qweight.bits, qweight.sym, qweight.group_size, bool(permuted))
     if qweight.sym and not bool((qweight.zero == 1 << (qweight.bits - 1)).all()):
         raise FormatError(f"a symmetric {qweight.bits}-bit grid must have zero {1 << (qweight.bits - 1)}; "
                           f"this weight's zeros differ")
