@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create the llama.cpp virtual env, by default at .venvs/llamacpp inside the repo: llama.cpp itself (through
 # llama-cpp-python, which compiles it from source) is the independent judge of compound's GGUF files
-# (tests/integration/test_llamacpp.py) and the peer quantizer of benchmarks/gguf.py (llama_model_quantize).
+# (tests/integration/test_llamacpp.py) and the peer quantizer of benchmarks/llamacpp_gguf.py (llama_model_quantize).
 #
 #   bash scripts/setup_llamacpp.sh [VENV]     # idempotent: does nothing when llama_cpp imports from the venv
 #

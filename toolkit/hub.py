@@ -187,7 +187,9 @@ def model_card(directory: Path | str, results: dict | None = None, *, repo_id: s
             meta["base_model_relation"] = "quantized"
         meta["library_name"] = "transformers"
         meta["pipeline_tag"] = "text-generation"
-        meta["tags"] = _unique(["compound", method, quant.get("method"), f"{bits}-bit" if bits else None, *tags])
+        gguf = "gguf" if _gguf_files(manifest) else None  # the Hub lists GGUF repos by this tag
+        meta["tags"] = _unique(["compound", method, quant.get("method"), f"{bits}-bit" if bits else None, gguf,
+                                *tags])
     lines = ["---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", "", f"# {name.split('/')[-1]}", ""]
     lines += _heads_body(manifest, config, name, base, source) if is_heads else \
         _checkpoint_body(manifest, config, name, base, source, kind)
@@ -261,13 +263,22 @@ def _checkpoint_body(manifest: dict, config: dict, name: str, base: str | None, 
             ("calibration fingerprint", calib.get("fingerprint")),
             ("KV-cache scales", f"{kv.get('dtype')}, per {kv.get('strategy')}" if kv else None),
             ("dtype of unquantized tensors", config.get("torch_dtype")),
+            *[("GGUF for llama.cpp", f"`{file}`: the same codes as {file.rpartition('-')[2].removesuffix('.gguf')} "
+                                     "blocks, Q8_0 embeddings") for file in _gguf_files(manifest)],
             ("compound version", manifest.get("compound_version"))]
     dtype = f" --dtype {config['torch_dtype']}" if config.get("torch_dtype") else ""
+    llama_cpp = [f"llama-server -hf {name}:{file.rpartition('-')[2].removesuffix('.gguf')}"
+                 for file in _gguf_files(manifest)]
     return [f"A {kind} of {_link(base, source)}, made with compound. vLLM, SGLang and transformers read it; "
             "engines detect the quantization from `config.json`.", "",
             "## Quantization", "", "| setting | value |", "|---|---|",
             *[f"| {key} | {_fmt(value)} |" for key, value in rows if value is not None], "",
-            "## Serve", "", "```bash", f"vllm serve {name}{dtype}", "```", ""]
+            "## Serve", "", "```bash", f"vllm serve {name}{dtype}", *llama_cpp, "```", ""]
+
+
+def _gguf_files(manifest: dict) -> list[str]:
+    """The GGUF files a checkpoint carries beside its safetensors (``compound quantize --gguf``)."""
+    return sorted(file for file in manifest.get("files", {}) if file.endswith(".gguf"))
 
 
 def _heads_body(manifest: dict, config: dict, name: str, base: str | None, source) -> list[str]:

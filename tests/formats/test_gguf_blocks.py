@@ -70,7 +70,7 @@ def _permuted(qweight):
 
 @pytest.mark.parametrize("make,reason", [
     (lambda: _qweight(4, True, group_size=64), "group_size 64"),
-    (lambda: _permuted(_qweight(4, True)), "permuted g_idx"),
+    (lambda: _permuted(_qweight(4, True)), "dynamic act-order permutes them"),
     (lambda: _qweight(3, True), "not 3-bit"),
     (lambda: _qweight(8, False), "no asymmetric 8-bit"),
     (lambda: quantize_rtn(torch.randn(8, 128), 4, 32, True), "not fp16 values"),

@@ -82,6 +82,18 @@ def test_metadata_carries_what_llama_cpp_reads(tmp_path, tiny_llama_dir, smol_to
     assert len(fields["tokenizer.ggml.merges"].data) > 1000
 
 
+def test_push_publishes_the_gguf_beside_the_checkpoint_and_the_card_says_so(tmp_path, tiny_llama_dir):
+    import yaml
+
+    from toolkit.hub import artifact_files, model_card
+
+    out = _checkpoint(tmp_path, tiny_llama_dir, "rtn", True, "gptq", gguf=True)
+    assert "ckpt-Q4_0.gguf" in artifact_files(out)  # what push uploads
+    card = model_card(out, repo_id="someone/tiny-w4")
+    assert "gguf" in yaml.safe_load(card.split("---")[1])["tags"]
+    assert "| GGUF for llama.cpp | `ckpt-Q4_0.gguf`" in card and "llama-server -hf someone/tiny-w4:Q4_0" in card
+
+
 def test_float_export_is_exact_in_f32(tmp_path, tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 

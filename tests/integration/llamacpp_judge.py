@@ -1,12 +1,19 @@
 """Run in the llama.cpp venv (scripts/setup_llamacpp.sh): llama.cpp's own view of a GGUF file, as JSON on stdout.
 
-    python llamacpp_judge.py logprobs FILE.gguf IDS.json [--threads N]   → {"logprobs": [[...], ...], "top1": ...}
+    python llamacpp_judge.py logprobs FILE.gguf IDS.json [--kv q8_0]     → {"logprobs": [[...], ...], "top1": ...}
         per window: the log-probability llama.cpp gives each next token of each window of token ids (every position
         but the last), and its most likely token there, from its full logits (logits_all)
     python llamacpp_judge.py greedy FILE.gguf PROMPT_IDS.json N           → {"tokens": [[...], ...]}: N greedy tokens
         per prompt of token ids, through llama.cpp's sampler at temperature 0
     python llamacpp_judge.py chat FILE.gguf MESSAGES.json N               → {"text": ...}: a greedy chat reply rendered
         with the file's own chat template (tokenizer.chat_template)
+    python llamacpp_judge.py speed FILE.gguf PROMPT_IDS.json N [--kv q8_0] → {"tokens_per_s": ...}: greedy decoding
+        of N tokens after the first prompt, batch 1 (the prompt's prefill not counted)
+
+Options: --threads N (default 1); --kv q8_0 stores the KV cache as Q8_0 (type_k/type_v, with flash attention, which
+a quantized V cache needs).
+    python llamacpp_judge.py quantize F32.gguf OUT.gguf TYPE              → {"file": OUT}: llama.cpp's own quantizer
+        (llama_model_quantize) at TYPE, one of Q4_0, Q4_1, Q4_K_M, Q8_0 (its default choices per tensor)
 
 No torch here: numpy and llama_cpp only. Every call is a fresh model (n_ctx sized to the longest input)."""
 
@@ -17,13 +24,17 @@ import numpy as np
 from llama_cpp import Llama
 
 
-def _model(path: str, n_ctx: int, threads: int, logits_all: bool = False) -> Llama:
+def _model(path: str, n_ctx: int, threads: int, logits_all: bool = False, kv: str | None = None) -> Llama:
+    """llama.cpp's model of ``path``; kv "q8_0": a Q8_0 KV cache (with flash attention, which a quantized V needs)."""
+    import llama_cpp
+
+    cache = {"type_k": llama_cpp.GGML_TYPE_Q8_0, "type_v": llama_cpp.GGML_TYPE_Q8_0, "flash_attn": True} if kv else {}
     return Llama(model_path=path, n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, n_threads_batch=threads,
-                 logits_all=logits_all, verbose=False, seed=0)
+                 logits_all=logits_all, verbose=False, seed=0, **cache)
 
 
-def logprobs(path: str, windows: list[list[int]], threads: int) -> dict:
-    llm = _model(path, max(len(w) for w in windows), threads, logits_all=True)
+def logprobs(path: str, windows: list[list[int]], threads: int, kv: str | None = None) -> dict:
+    llm = _model(path, max(len(w) for w in windows), threads, logits_all=True, kv=kv)
     out, top1 = [], []
     for window in windows:
         llm.reset()
@@ -56,17 +67,47 @@ def chat(path: str, messages: list[dict], n: int, threads: int) -> dict:
     return {"text": reply["choices"][0]["message"]["content"]}
 
 
+def speed(path: str, prompts: list[list[int]], n: int, threads: int, kv: str | None) -> dict:
+    import time
+
+    llm = _model(path, len(prompts[0]) + n + 8, threads, kv=kv)
+    llm.eval(prompts[0])
+    started, token = time.perf_counter(), None
+    for _ in range(n):
+        token = llm.sample(temp=0.0, top_k=1)
+        llm.eval([token])
+    return {"tokens_per_s": n / (time.perf_counter() - started)}
+
+
+def quantize(source: str, output: str, type_name: str, threads: int) -> dict:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{type_name}")
+    params.nthread = threads
+    if llama_cpp.llama_model_quantize(source.encode(), output.encode(), params) != 0:
+        sys.exit(f"llama_model_quantize failed for {type_name}")
+    return {"file": output}
+
+
 def main(argv: list[str]) -> None:
     threads = int(argv[argv.index("--threads") + 1]) if "--threads" in argv else 1
-    verb, path, data = argv[1], argv[2], json.loads(open(argv[3]).read())
+    kv = argv[argv.index("--kv") + 1] if "--kv" in argv else None
+    verb, path = argv[1], argv[2]
+    if verb == "quantize":
+        json.dump(quantize(path, argv[3], argv[4], threads), sys.stdout)
+        return
+    data = json.loads(open(argv[3]).read())
     if verb == "logprobs":
-        result = logprobs(path, data, threads)
+        result = logprobs(path, data, threads, kv)
     elif verb == "greedy":
         result = greedy(path, data, int(argv[4]), threads)
     elif verb == "chat":
         result = chat(path, data, int(argv[4]), threads)
+    elif verb == "speed":
+        result = speed(path, data, int(argv[4]), threads, kv)
     else:
-        sys.exit(f"unknown verb {verb!r}: logprobs, greedy or chat")
+        sys.exit(f"unknown verb {verb!r}: logprobs, greedy, chat, speed or quantize")
     json.dump(result, sys.stdout)
 
 
