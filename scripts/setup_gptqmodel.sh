@@ -19,7 +19,7 @@ PY="$VENV/bin/python"
 export BUILD_CUDA_EXT=0 GPTQMODEL_FORCE_BUILD=0 CUDA_VISIBLE_DEVICES=""
 
 check() {
-    "$PY" - <<'PY'
+    "$PY" -P - <<'PY'  # -P: the repo root (cwd) not on sys.path, where kernels/ would shadow the PyPI package
 import sys
 import torch
 if not torch.__version__.startswith("2.13.0") or torch.version.cuda is not None:

@@ -16,7 +16,7 @@ LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 PY="$VENV/bin/python"
 
 check() {
-    "$PY" -c "import llama_cpp, numpy; print('llama_cpp', llama_cpp.__version__)"
+    "$PY" -P -c "import llama_cpp, numpy; print('llama_cpp', llama_cpp.__version__)"
 }
 
 if [[ -x "$PY" ]] && check 2>/dev/null; then

