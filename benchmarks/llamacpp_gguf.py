@@ -18,7 +18,7 @@ threads, ``--new-tokens`` after a 64-token prompt). Timings need a quiet machine
 Caveat printed with the table: SmolLM2's weights came from a Q4_1 GGUF file, so asymmetric g32 round-to-nearest
 recovers them almost exactly and flatters every Q4_1 row; judge the methods on Q4_0 and Q4_K_M.
 
-    python benchmarks/llamacpp_gguf.py [--windows 16] [--seq-len 512] [--samples 128] [--threads 2] [--reuse] [--no-write]
+    python benchmarks/llamacpp_gguf.py [--windows 16] [--seq-len 512] [--samples 128] [--threads 2] [--quantize-threads N] [--reuse] [--no-write]
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def compound_file(method: str, block: str, args) -> Path:
     if not (args.reuse and gguf_file.is_file()):
         subprocess.run(["compound", "quantize", "--model", MODEL, "--method", method, "--bits", "4", "--group-size",
                         "32", GRIDS[block], "--samples", str(args.samples), "--seq-len", str(args.seq_len), "--gguf",
-                        "--threads", str(args.threads), "--output", str(directory), "--overwrite"],
+                        "--threads", str(args.quantize_threads or args.threads), "--output", str(directory),
+                        "--overwrite"],
                        check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return gguf_file
 
@@ -68,7 +69,9 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--samples", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (scores and tok/s).")
+    parser.add_argument("--quantize-threads", type=int, default=None,
+                        help="compound quantize's threads (default --threads): 1 when something runs beside it.")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--reuse", action="store_true", help="Keep files already in benchmarks/.cache/gguf.")
     parser.add_argument("--no-write", action="store_true", help="Print the table without updating BENCHMARKS.md.")

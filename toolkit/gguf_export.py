@@ -24,6 +24,7 @@ from toolkit.architectures import UnsupportedFamily, family
 from toolkit.formats import FORMATS, gguf, gguf_blocks
 from toolkit.formats.checkpoint import MANIFEST, read_tensors
 from toolkit.formats.scheme import FormatError
+from toolkit.quant.kv_cache import SCALE_NAMES as KV_SCALE_NAMES
 from toolkit.quant.primitives import QuantizedWeight, default_g_idx
 
 
@@ -136,13 +137,16 @@ def _checkpoint_tensors(source: Path, config) -> tuple[list[tuple[str, str, torc
 
 def _float_tensors(state: dict[str, torch.Tensor], config, outtype: str | None) -> list[tuple[str, str, torch.Tensor]]:
     """GGUF tensors of the float weights in ``state``: norms F32; 2-D weights in ``outtype``, or (None) embeddings
-    and an untied output as ``EMBEDDING_TYPE``. A tied ``lm_head`` is not written (llama.cpp reads token_embd)."""
+    and an untied output as ``EMBEDDING_TYPE``. A tied ``lm_head`` is not written (llama.cpp reads token_embd), nor
+    are KV-cache scales."""
     out = []
     tied = bool(getattr(config, "tie_word_embeddings", False))
     for name, tensor in sorted(state.items()):
         module, _, kind = name.rpartition(".")
+        if kind in KV_SCALE_NAMES:  # llama.cpp scales its quantized KV cache per block itself
+            continue
         if kind != "weight" or (tied and module == "lm_head"):
-            if kind == "weight" or name.endswith("rotary_emb.inv_freq"):
+            if kind == "weight":
                 continue
             raise FormatError(f"{name} has no place in GGUF's {gguf.ARCH} architecture")
         if tensor.dim() == 1:

@@ -145,3 +145,9 @@ def family_dir(tmp_path):
         return path
 
     return directory
+
+
+def test_kv_cache_scales_stay_in_the_checkpoint_only(tmp_path, tiny_llama_dir):
+    out = _checkpoint(tmp_path, tiny_llama_dir, "rtn", True, "gptq", gguf=True, kv_cache="int8")
+    names = {t.name for t in gguf.GGUFReader(str(out / "ckpt-Q4_0.gguf")).tensors}
+    assert "blk.0.attn_q.weight" in names and not any("scale" in name for name in names)
