@@ -18,7 +18,8 @@ threads, ``--new-tokens`` after a 64-token prompt). Timings need a quiet machine
 Caveat printed with the table: SmolLM2's weights came from a Q4_1 GGUF file, so asymmetric g32 round-to-nearest
 recovers them almost exactly and flatters every Q4_1 row; judge the methods on Q4_0 and Q4_K_M.
 
-    python benchmarks/llamacpp_gguf.py [--windows 16] [--seq-len 512] [--samples 128] [--threads 2] [--quantize-threads N] [--reuse] [--no-write]
+    python benchmarks/llamacpp_gguf.py [--windows 16] [--seq-len 512] [--samples 128] [--threads 2] [--quantize-threads N] [--grids Q4_0,Q4_1] [--reuse]
+                                      [--no-write]
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def main() -> None:
     parser.add_argument("--quantize-threads", type=int, default=None,
                         help="compound quantize's threads (default --threads): 1 when something runs beside it.")
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--grids", default=",".join(GRIDS), help="compound's grids to write: Q4_0,Q4_1.")
     parser.add_argument("--reuse", action="store_true", help="Keep files already in benchmarks/.cache/gguf.")
     parser.add_argument("--no-write", action="store_true", help="Print the table without updating BENCHMARKS.md.")
     args = parser.parse_args()
@@ -92,7 +94,7 @@ def main() -> None:
         if not (args.reuse and out.is_file()):
             judge("quantize", f32, out, type_name, "--threads", args.threads)
         files[f"llama.cpp {type_name}"] = ("llama.cpp", type_name, out)
-    for block in GRIDS:
+    for block in args.grids.split(","):
         for method in METHODS:
             files[f"compound {method} {block}"] = ("compound", block, compound_file(method, block, args))
 
@@ -126,9 +128,9 @@ def main() -> None:
     own = measured["llama.cpp Q4_0"][3] - base
     ours = measured[best][3] - base
     k_m = measured["llama.cpp Q4_K_M"][3] - base
-    body = (f"`python benchmarks/llamacpp_gguf.py --windows {args.windows} --seq-len {args.seq_len} --samples {args.samples} "
-            f"--threads {args.threads}`: SmolLM2-135M-Instruct, every file scored by llama.cpp (llama-cpp-python "
-            f"0.3.36 built from source) on the same {args.windows}×{args.seq_len} held-out ShareGPT tokens; compound "
+    body = (f"`python benchmarks/llamacpp_gguf.py --windows {args.windows} --seq-len {args.seq_len} --samples "
+            f"{args.samples} --threads {args.threads} --grids {args.grids}`: SmolLM2-135M-Instruct, every file "
+            f"scored by llama.cpp (llama-cpp-python 0.3.36 built from source) on the same {args.windows}×{args.seq_len} held-out ShareGPT tokens; compound "
             f"quantized W4 g32 on {args.samples}×{args.seq_len} calibration tokens and wrote its own codes "
             f"(`quantize --gguf`); llama.cpp's quantizer started from compound's F32 export. tok/s: llama.cpp greedy, "
             f"batch 1, {args.threads} threads, {args.new_tokens} tokens after a 64-token prompt, nothing else "
