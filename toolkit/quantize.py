@@ -80,10 +80,6 @@ class QuantizeSettings:
     stream: bool = option(False, "Load each decoder layer from the safetensors shards of a local model directory only "
                           "when it is quantized, and write it out at once: for models larger than memory.",
                           flag="--stream/--no-stream")
-    gguf: bool = option(False, "Also write the checkpoint as one GGUF file for llama.cpp inside --output "
-                        "(<name>-Q4_0.gguf from symmetric 4-bit, -Q4_1 from asymmetric, -Q8_0 from symmetric 8-bit; "
-                        "its own codes, not re-rounded): needs --group-size 32, no dynamic act-order, a llama model.",
-                        flag="--gguf/--no-gguf")
     offload_activations: bool = option(False, "Keep calibration activations between layers on disk (next to "
                                        "--output) instead of in memory.")
     batch_size: int = option(8, "Calibration sequences run through a layer at once; fewer need less memory.")
@@ -179,7 +175,7 @@ def quantize(
         choices["group size"] = f"{config.group_size} ({group_reason})"
         if progress:
             progress.step(f"group size {choices['group size']}")
-    gguf_file = _gguf_file(output, config, skeleton.config) if settings.gguf else None
+    gguf_file = _gguf_file(output, config, skeleton.config, fmt, settings.dtype) if config.gguf else None
     if gguf_file is not None:
         choices["gguf"] = f"{gguf_file.name} (--gguf)"
     tokenizer = load_tokenizer(model_spec, trust_remote_code)
@@ -264,13 +260,17 @@ def quantize(
     return _result(output, started, errors, plan, config, choices)
 
 
-def _gguf_file(output: Path, config: WeightQuantConfig, model_config) -> Path:
-    """Where ``--gguf`` writes inside ``output``; FormatError (before any weight is read) for a grid or family GGUF
-    cannot hold."""
+def _gguf_file(output: Path, config: WeightQuantConfig, model_config, fmt: str, dtype: str) -> Path:
+    """Where ``--gguf`` writes inside ``output``; FormatError (before any weight is read) for a grid, family or
+    scale dtype GGUF cannot hold (the file is written from the checkpoint's scales: they must stay fp16 values)."""
     from toolkit.formats import gguf_blocks
+    from toolkit.formats.scheme import FormatError
     from toolkit.gguf_export import check_family, file_name
 
     check_family(model_config)
+    if fmt == compressed_tensors.NAME and dtype == "bfloat16":
+        raise FormatError("--gguf stores fp16 scales, and compressed-tensors stores scales in --dtype bfloat16, "
+                          "which would re-round them: use --dtype float16 or float32, or --format gptq / awq")
     dynamic = config.act_order and not config.static_groups and config.group_size != -1
     return file_name(output, gguf_blocks.block_type(config.bits, config.sym, config.group_size, dynamic))
 

@@ -25,8 +25,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 CALIBRATION = CalibrationSpec(samples=4, seq_len=32)
 
 
-def _checkpoint(tmp_path, source, method, sym, fmt, **options):
-    config = make_config(method, bits=4, group_size=32, sym=sym)
+def _checkpoint(tmp_path, source, method, sym, fmt, gguf=False, **options):
+    config = make_config(method, bits=4, group_size=32, sym=sym, gguf=gguf)
     settings = QuantizeSettings(format=fmt, dtype="float32", **options)
     return quantize(str(source), config, tmp_path / "ckpt", CALIBRATION, settings, overwrite=True).output
 
@@ -37,16 +37,27 @@ def _gguf_model(path):
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("method,sym,fmt,block", [("rtn", True, "gptq", "Q4_0"), ("awq", False, "awq", "Q4_1")])
+@pytest.mark.parametrize("method,sym,fmt,block", [
+    ("rtn", True, "gptq", "Q4_0"),
+    ("gptq", True, "gptq", "Q4_0"),
+    ("awq", True, "compressed-tensors", "Q4_0"),
+    ("awq+gptq", True, "gptq", "Q4_0"),
+    ("awq", False, "awq", "Q4_1"),
+    ("gptq", False, "compressed-tensors", "Q4_1"),
+])
 def test_transformers_reads_back_the_weights_compound_runs(tmp_path, tiny_llama_dir, method, sym, fmt, block):
+    """Every method's codes under --gguf: what the GGUF file holds is what compound's loader runs from the
+    safetensors checkpoint (Q4_0 bit for bit, negative scales included), chosen on fp16 scales."""
     out = _checkpoint(tmp_path, tiny_llama_dir, method, sym, fmt, gguf=True)
     path = out / f"ckpt-{block}.gguf"
-    assert not verify_manifest(out) and path.name in json.loads((out / "compound.json").read_text())["files"]
+    manifest = json.loads((out / "compound.json").read_text())
+    assert not verify_manifest(out) and path.name in manifest["files"] and manifest["quantization"]["gguf"]
 
     ours, _ = load_quantized(out, backend="reference")
     theirs = _gguf_model(path)
     reader = gguf.GGUFReader(str(path))
     types = {t.name: t.tensor_type.name for t in reader.tensors}
+    signs = set()
     for name, module in ours.named_modules():
         if not isinstance(module, QuantLinear):
             continue
@@ -56,6 +67,21 @@ def test_transformers_reads_back_the_weights_compound_runs(tmp_path, tiny_llama_
             assert torch.equal(got, W), name
         else:  # Q4_1 stores the minimum −scale·zero in fp16: half an fp16 ulp of it at most
             assert (got - W).abs().max() <= 2.0**-11 * W.abs().max() * 8, name
+        blocks = got.reshape(got.shape[0], -1, 32)
+        extreme = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)).squeeze(-1)  # (N, G)
+        signs |= {int(s) for s in extreme.sign().unique()}
+    if block == "Q4_0":  # llama.cpp's rule: the extreme is −8 steps, so a positive extreme has a negative scale
+        scales = [torch.tensor(t.data).view(torch.uint8) for t in reader.tensors if t.tensor_type.name == "Q4_0"]
+        d = torch.cat([s.reshape(-1, 18)[:, :2].contiguous().view(torch.float16).flatten() for s in scales])
+        assert bool((d < 0).any()) and bool((d > 0).any()) and signs >= {-1, 1}
+        # torch's int4 op runs the same negative scales (cpu-int4 backend, float32 compute) as the reference
+        fast, _ = load_quantized(out, backend="cpu-int4")
+        x = torch.randn(3, ours.config.hidden_size)
+        for name, module in ours.named_modules():
+            if isinstance(module, QuantLinear) and module.in_features == x.shape[1]:
+                want, got = module(x), fast.get_submodule(name)(x).float()
+                assert fast.get_submodule(name).path(x) == "cpu-int4", name
+                assert (got - want).norm() <= 0.01 * want.norm(), name  # bf16 activations: about 2⁻⁹ relative
     assert {types[f"blk.0.{n}.weight"] for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
                                                   "ffn_down")} == {block}
     assert types["token_embd.weight"] == "Q8_0" and types["blk.0.attn_norm.weight"] == "F32"
@@ -109,6 +135,11 @@ def test_what_gguf_cannot_hold_is_refused_before_any_weight_is_read(tmp_path, ti
                                       "64", "--gguf", "-o", str(tmp_path / "g64")])
     refused(result, "group_size 64 cannot be written exactly", "--group-size 32")
     assert not (tmp_path / "g64").exists()
+    result = CliRunner().invoke(app, ["quantize", "--model", str(tiny_llama_dir), "--method", "rtn", "--gguf",
+                                      "--format", "compressed-tensors", "--dtype", "bfloat16", "-o",
+                                      str(tmp_path / "bf16")])
+    refused(result, "compressed-tensors stores scales in --dtype bfloat16", "--dtype float16")
+    assert not (tmp_path / "bf16").exists()
     out = _checkpoint(tmp_path, tiny_llama_dir, "rtn", True, "gptq")
     with pytest.raises(FormatError, match="name it \\*.gguf"):
         export_gguf(out, tmp_path / "x.bin")

@@ -39,3 +39,13 @@ def test_a_given_size_is_checked_not_changed():
     with pytest.raises(ConfigError, match=r"group_size 128 does not divide the input width of .*q_proj \(576 % 128"):
         RTNConfig(group_size=128).fitted(SMOLLM2)
     assert RTNConfig(group_size=-1).fitted({"a": 50}) == (RTNConfig(group_size=-1), None)
+
+
+def test_gguf_fits_its_block_size_and_its_grid():
+    from toolkit.quant.primitives import GGUF_RULE, GPTQ_RULE
+
+    config, why = RTNConfig(gguf=True).fitted(SMOLLM2)
+    assert config.group_size == 32 and why == "auto: GGUF blocks hold 32 weights (--gguf)"
+    assert config.scale_rule == GGUF_RULE and RTNConfig().scale_rule == GPTQ_RULE
+    with pytest.raises(ConfigError, match="group_size 32 does not divide the input width of a"):
+        RTNConfig(gguf=True).fitted({"a": 48})

@@ -1,3 +1,4 @@
+import dataclasses
 import itertools
 
 import pytest
@@ -79,3 +80,67 @@ def test_config_validation_names_the_fix():
     with pytest.raises(ConfigError, match="takes no option"):
         make_config("rtn", damp=0.1)
     assert make_config("gptq", damp=None, group_size=64) == GPTQConfig(group_size=64)
+
+
+def llama_cpp_q4_0(W):
+    """A transcription of llama.cpp's ``quantize_row_q4_0_ref`` (ggml-quants.c) per block of 32: the first value of
+    largest magnitude is ``max``, d = max / −8 (stored as fp16), codes MIN(15, (int8)(x·(1/d) + 8.5)), computed
+    with the float32 d. Returns codes [N, K] and fp16 d [N, K/32] as float32."""
+    N, K = W.shape
+    blocks = W.float().reshape(N, K // 32, 32)
+    first = blocks.abs().argmax(dim=-1, keepdim=True)  # the first maximal index, as llama.cpp's strict `<`
+    d = blocks.gather(-1, first).squeeze(-1) / -8
+    inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    codes = (blocks * inverse[..., None] + 8.5).trunc().clamp(max=15)
+    return codes.reshape(N, K).to(torch.uint8), d.to(torch.float16).float()
+
+
+def test_the_gguf_rule_is_llama_cpps_q4_0_on_fp16_weights():
+    from toolkit.quant.primitives import GGUF_RULE
+
+    torch.manual_seed(0)
+    W = (torch.randn(64, 256) * torch.rand(64, 1) * 0.1).half().float()  # weights as a checkpoint stores them
+    ours = quantize_rtn(W, 4, 32, True, rule=GGUF_RULE)
+    codes, d = llama_cpp_q4_0(W)
+    assert torch.equal(ours.scale, d) and torch.equal(ours.scale.half().float(), ours.scale)
+    assert bool((ours.scale < 0).any()) and bool((ours.scale > 0).any())  # the sign follows the extreme
+    assert ours.codes.max() <= 15 and torch.equal(ours.zero, torch.full_like(ours.zero, 8))
+    # llama.cpp rounds x·(1/d) half up, compound x/d half to even: they may differ only on a tie
+    ratio = (W / ours.scale.repeat_interleave(32, dim=1)).double()
+    tie = ((ratio - ratio.floor()) - 0.5).abs() < 1e-4
+    differ = ours.codes != codes
+    assert not bool((differ & ~tie).any()) and int(differ.sum()) <= 4
+    # each block's largest-magnitude weight is reproduced exactly, on code 0 (q − 8 = −8)
+    blocks = W.reshape(64, 8, 32)
+    first = blocks.abs().argmax(dim=-1, keepdim=True)
+    deq = ours.dequantize().reshape(64, 8, 32)
+    assert torch.equal(deq.gather(-1, first), blocks.gather(-1, first))
+    assert bool((ours.codes.reshape(64, 8, 32).gather(-1, first) == 0).all())
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_the_gguf_rule_chooses_the_nearest_code_on_the_fp16_grid_it_stores(sym):
+    from toolkit.quant.primitives import GGUF_RULE, dequantize
+
+    torch.manual_seed(1)
+    W = torch.randn(32, 512) * torch.rand(32, 1)  # float32 weights: their scales are not fp16 values
+    qw = quantize_rtn(W, 4, 32, sym, rule=GGUF_RULE)
+    assert torch.equal(qw.scale.half().float(), qw.scale)
+    step = qw.scale.abs()[:, qw.g_idx.long()].double()
+    error = (qw.dequantize().double() - W.double()).abs()
+    inside = (qw.codes > 0) & (qw.codes < 15)  # not clamped: the nearest grid point is at most half a step away
+    assert bool((error[inside] <= step[inside] / 2 * (1 + 1e-6)).all())
+    # the negative control: codes chosen against the unrounded float32 scale, then stored with an fp16 scale,
+    # miss the nearest point of the stored grid
+    unrounded = quantize_rtn(W, 4, 32, sym, rule=dataclasses.replace(GGUF_RULE, dtype=None))
+    stored = unrounded.scale.half().float()
+    miss = (dequantize(unrounded.codes, stored, unrounded.zero.float(), unrounded.g_idx).double() - W.double()).abs()
+    assert bool((miss[inside] > step[inside] / 2 * (1 + 1e-6)).any())
+
+
+def test_the_gptq_rule_stays_the_default():
+    torch.manual_seed(2)
+    W = torch.randn(8, 64)
+    qw = quantize_rtn(W, 4, 32, True)
+    amax = W.reshape(8, 2, 32).abs().amax(-1)
+    assert torch.allclose(qw.scale, 2 * amax / 15) and bool((qw.scale > 0).all())

@@ -46,9 +46,9 @@ def quantize_layer(session: LayerSession) -> dict[str, QuantizedWeight]:
         W = linear.weight.data.float()
         R = activations.tokens(name)
         clip = cfg.clip and name.rsplit(".", 1)[-1] not in NO_CLIP
-        max_val = awq.search_clip(W, R, cfg.bits, cfg.group_size, cfg.sym) if clip else None
+        max_val = awq.search_clip(W, R, cfg.bits, cfg.group_size, cfg.sym, rule=cfg.scale_rule) if clip else None
         bias = None if linear.bias is None else linear.bias.data
-        qweight = awq.quantize_awq(W, cfg.bits, cfg.group_size, cfg.sym, max_val, bias)
+        qweight = awq.quantize_awq(W, cfg.bits, cfg.group_size, cfg.sym, max_val, bias, cfg.scale_rule)
         W_hat = qweight.dequantize()
         session.errors[name] = awq.relative_output_error(R, W, W_hat)
         linear.weight.data.copy_(W_hat.to(linear.weight.dtype))
@@ -116,7 +116,7 @@ def scale_layer(session: LayerSession) -> LayerActivations:
             block = _block_output(layer.get_submodule(_block_name(names)), linears, calls[_block_name(names)])
         found = awq.search_scale(
             [m.weight.data for m in linears], awq.activation_scale(activations.X[key]), block,
-            cfg.bits, cfg.group_size, cfg.sym, cfg.grid,
+            cfg.bits, cfg.group_size, cfg.sym, cfg.grid, cfg.scale_rule,
         )
         fold_group(layer, prev_name, names, found.scales, arch.norm_offset)
         activations.divide(key, found.scales)

@@ -86,7 +86,7 @@ def _quantize_linear(session: LayerSession, name: str, factor: HessianFactor) ->
     linear = session.linears[name]
     qweight, loss = gptq_factored(
         linear.weight.data, factor, cfg.bits, cfg.group_size, cfg.sym, block_size=cfg.block_size,
-        static_groups=cfg.static_groups, mse_clip=cfg.mse_clip,
+        static_groups=cfg.static_groups, mse_clip=cfg.mse_clip, rule=cfg.scale_rule,
     )
     qweight.bias = linear.bias
     linear.weight.data.copy_(qweight.dequantize().to(linear.weight.dtype))

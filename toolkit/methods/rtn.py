@@ -15,7 +15,7 @@ def quantize_layer(session: LayerSession) -> dict[str, QuantizedWeight]:
     results = {}
     for name, linear in session.linears.items():
         W = linear.weight.data.float()
-        qweight = quantize_rtn(W, cfg.bits, cfg.group_size, cfg.sym, linear.bias)
+        qweight = quantize_rtn(W, cfg.bits, cfg.group_size, cfg.sym, linear.bias, cfg.scale_rule)
         session.errors[name] = float((qweight.dequantize() - W).norm() / W.norm().clamp_min(1e-12))
         results[name] = qweight
     return results

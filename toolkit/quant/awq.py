@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from toolkit.quant.primitives import QuantizedWeight, max_code, qparams_from_range, quantize_rtn
+from toolkit.quant.primitives import GPTQ_RULE, QuantizedWeight, ScaleRule, max_code, qparams_from_range, quantize_rtn
 
 
 def activation_scale(X: torch.Tensor | Iterable[torch.Tensor]) -> torch.Tensor:
@@ -60,7 +60,9 @@ def candidate_scales(x_mean: torch.Tensor, grid: int) -> tuple[torch.Tensor, tor
     return alphas, s
 
 
-def fake_quantize(W: torch.Tensor, bits: int, group_size: int, sym: bool) -> torch.Tensor:
+def fake_quantize(
+    W: torch.Tensor, bits: int, group_size: int, sym: bool, rule: ScaleRule = GPTQ_RULE
+) -> torch.Tensor:
     """Q(W): W [..., N, K] rounded onto its own per-(row, group) min/max grid and dequantized, float32.
 
     The same numbers as ``quantize_rtn(W).dequantize()``, computed on a [rows, G, group_size] view (no g_idx gather,
@@ -68,7 +70,7 @@ def fake_quantize(W: torch.Tensor, bits: int, group_size: int, sym: bool) -> tor
     K = W.shape[-1]
     size = K if group_size == -1 else group_size
     Wg = W.float().reshape(-1, K // size, size)  # (rows, G, group_size)
-    scale, zero = qparams_from_range(Wg.amin(dim=-1), Wg.amax(dim=-1), bits, sym)  # (rows, G)
+    scale, zero = qparams_from_range(Wg.amin(dim=-1), Wg.amax(dim=-1), bits, sym, rule)  # (rows, G)
     scale, zero = scale[..., None], zero[..., None]
     # One allocation, then in place: code = clamp(round(W/scale) + zero), Ŵ = (code − zero)·scale.
     out = torch.div(Wg, scale).round_().add_(zero).clamp_(0, max_code(bits)).sub_(zero).mul_(scale)
@@ -93,20 +95,21 @@ def search_scale(
     group_size: int,
     sym: bool,
     grid: int = 20,
+    rule: ScaleRule = GPTQ_RULE,
 ) -> ScaleSearch:
     """Grid-search α for one scaling group.
 
     weights: the group's float weights [N_i, K], all reading the same input. x_mean: ``activation_scale`` of that
     input [K]. block_output(ws): the block's output (any shape, same every call) with ws in place of the weights;
     called once with the float weights for the reference, then once per α with Q(W·s)·s⁻¹.
-    Loss: mean squared difference to the float block output.
+    Loss: mean squared difference to the float block output. rule: the grid's scale rule (``ScaleRule``).
     """
     float_weights = [W.float() for W in weights]
     reference = block_output(float_weights).float()
     alphas, candidates = candidate_scales(x_mean, grid)
     losses = torch.full((grid,), float("inf"))
     for i, s in enumerate(candidates):
-        trial = [fake_quantize(W * s, bits, group_size, sym).div_(s) for W in float_weights]
+        trial = [fake_quantize(W * s, bits, group_size, sym, rule).div_(s) for W in float_weights]
         loss = float(torch.nn.functional.mse_loss(block_output(trial).float(), reference))
         if math.isfinite(loss):
             losses[i] = loss
@@ -146,6 +149,7 @@ def search_clip(
     sym: bool,
     n_grid: int = 20,
     max_shrink: float = 0.5,
+    rule: ScaleRule = GPTQ_RULE,
 ) -> torch.Tensor:
     """max_val [N, G] per (output row, group) minimising the group's partial-output error on tokens X [T, K]."""
     N, K = W.shape
@@ -160,7 +164,7 @@ def search_clip(
     for i in range(max(1, int(max_shrink * n_grid))):
         max_val = amax * (1 - i / n_grid)
         clipped = torch.clamp(Wg, -max_val[..., None], max_val[..., None])
-        delta = fake_quantize(clipped.reshape(N, K), bits, group_size, sym).reshape(N, G, size) - Wg
+        delta = fake_quantize(clipped.reshape(N, K), bits, group_size, sym, rule).reshape(N, G, size) - Wg
         delta_t = delta.transpose(0, 1)  # (G, N, size)
         err = ((delta_t @ gram) * delta_t).sum(dim=-1).T  # (N, G): Δw_g · X_gᵀX_g · Δw_gᵀ
         better = err < best_err
@@ -185,12 +189,13 @@ def quantize_awq(
     sym: bool,
     max_val: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    rule: ScaleRule = GPTQ_RULE,
 ) -> QuantizedWeight:
     """Codes of the (already scaled) W [N, K], clamped to ``max_val`` [N, G] first when given, on min/max groups."""
     W = W.float()
     if max_val is not None:
         W = clip_weight(W, max_val, group_size)
-    return quantize_rtn(W, bits, group_size, sym, bias)
+    return quantize_rtn(W, bits, group_size, sym, bias, rule)
 
 
 def relative_output_error(X: torch.Tensor, W: torch.Tensor, W_hat: torch.Tensor) -> float:

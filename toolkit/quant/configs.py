@@ -32,6 +32,9 @@ class WeightQuantConfig:
     bits: code width, 2..8. group_size: input columns per scale (-1: per output channel; 32/64/128); None until
     ``fitted`` to a model, which makes it the largest of ``STANDARD_GROUP_SIZES`` dividing every quantized width.
     sym: symmetric grid (zero fixed at 2^(bits-1)). skip: module names or suffixes left in float (lm_head by default).
+    gguf: the codes are for llama.cpp's GGUF blocks too (``quantize`` writes the GGUF file beside the checkpoint):
+    the quantizers use ``scale_rule`` GGUF's (a symmetric group's largest-magnitude value on code 0 as llama.cpp's
+    Q4_0, scales rounded to fp16 before codes are chosen), and an unset group size becomes 32, the block size.
     act_order / static_groups: the column order the codes were chosen in, which every format must record (only
     methods that reorder columns accept act_order: see ``GPTQConfig``).
 
@@ -45,6 +48,11 @@ class WeightQuantConfig:
     group_size: int | None = option(None, "Input columns per scale: 32, 64, 128, or -1 for per channel (default: the "
                                           "largest of 128, 64, 32 that divides every quantized linear's input width).")
     sym: bool = option(True, "Symmetric grid (default: the method's own).", flag="--sym/--asym")
+    gguf: bool = option(False, "Also write the checkpoint as one GGUF file for llama.cpp inside --output "
+                        "(<name>-Q4_0.gguf from symmetric 4-bit, -Q4_1 from asymmetric, -Q8_0 from symmetric 8-bit), "
+                        "with codes chosen on its grid (llama.cpp's Q4_0 scale rule, fp16 scales) and written as "
+                        "they are: group size 32 (the default with --gguf), no dynamic act-order, a llama model.",
+                        flag="--gguf/--no-gguf")
     skip: tuple[str, ...] = option(("lm_head",), "Module names (or suffixes) left unquantized; repeatable.")
     seed: int = option(0, "Seed for calibration sampling and any random choice.")
     act_order: bool = option(False, "GPTQ: decreasing-Hessian column order, static groups (default on).",
@@ -77,6 +85,13 @@ class WeightQuantConfig:
             for name, in_features in widths.items():
                 self.check_width(name, in_features)
             return self, None
+        if self.gguf:
+            from toolkit.formats.gguf_blocks import BLOCK_SIZE
+
+            fitted = dataclasses.replace(self, group_size=BLOCK_SIZE)
+            for name, in_features in widths.items():
+                fitted.check_width(name, in_features)
+            return fitted, f"auto: GGUF blocks hold {BLOCK_SIZE} weights (--gguf)"
         distinct = sorted(set(widths.values()))
         for size in STANDARD_GROUP_SIZES:
             if all(k % size == 0 for k in distinct):
@@ -98,6 +113,14 @@ class WeightQuantConfig:
                 f"({in_features} % {self.group_size} = {in_features % self.group_size}); "
                 f"try --group-size {' or '.join(str(g) for g in options)}"
             )
+
+    @property
+    def scale_rule(self):
+        """How the quantizers turn a group's range into its scale (``toolkit.quant.primitives.ScaleRule``): GGUF's
+        for a GGUF target, else the GPTQ reference grid's."""
+        from toolkit.quant.primitives import GGUF_RULE, GPTQ_RULE
+
+        return GGUF_RULE if self.gguf else GPTQ_RULE
 
     def to_dict(self) -> dict:
         """Plain dict of every field plus the method name, for manifests and fingerprints."""

@@ -19,7 +19,8 @@ The reported loss is Σ ½ (w − q)² / d² with d = U_qq (the reference's ``Lo
 error summed over rows, plus the dampening's small share.
 
 Envelope: float32 throughout; K up to a few thousand (H is K×K; the factorization holds two K×K matrices at its
-peak, the quantization loop one); CPU or GPU. The grid is ``primitives``'s.
+peak, the quantization loop one); CPU or GPU. The grid is ``primitives``'s, its scale by ``rule`` (GGUF's rounds
+each group's scale to fp16 before the group's first column is rounded).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from toolkit.quant.finite import all_finite
-from toolkit.quant.primitives import QuantizedWeight, default_g_idx, max_code, qparams_from_range
+from toolkit.quant.primitives import GPTQ_RULE, QuantizedWeight, ScaleRule, default_g_idx, max_code, qparams_from_range
 
 # mse_clip: shrink factors of each group's [min, max] tried, and the error norm, as GPTQ's
 # ``Quantizer.find_params(mse=True)`` (grid 100, norm 2.4), stopped at 0.8 of the range.
@@ -157,6 +158,7 @@ def gptq_quantize(
     act_order: bool = False,
     static_groups: bool = True,
     mse_clip: bool = False,
+    rule: ScaleRule = GPTQ_RULE,
 ) -> tuple[QuantizedWeight, float]:
     """Quantize ``W`` [N, K] against the Hessian ``H`` [K, K] (neither is modified): ``hessian_factor`` then
     ``gptq_factored``. Returns the weight record, in original column order, and the loss Σ ½ (w − q)² / d²."""
@@ -165,7 +167,7 @@ def gptq_quantize(
                          f"got {tuple(H.shape)}")
     factor = hessian_factor(H, damp, act_order)
     return gptq_factored(W, factor, bits, group_size, sym, block_size=block_size, static_groups=static_groups,
-                         mse_clip=mse_clip)
+                         mse_clip=mse_clip, rule=rule)
 
 
 def gptq_factored(
@@ -178,6 +180,7 @@ def gptq_factored(
     block_size: int = 128,
     static_groups: bool = True,
     mse_clip: bool = False,
+    rule: ScaleRule = GPTQ_RULE,
 ) -> tuple[QuantizedWeight, float]:
     """Quantize ``W`` [N, K] (not modified) with a ``hessian_factor`` of its Hessian. Returns the weight record, in
     original column order, and the loss Σ ½ (w − q)² / d².
@@ -189,6 +192,7 @@ def gptq_factored(
     first column is reached, from the error-updated weights at that moment; per-channel (group_size -1) qparams
     from the whole W.
     mse_clip: each group's range is shrunk to the factor with the lowest Σ|w − q|^2.4 instead of min/max.
+    rule: how a range becomes a scale (``primitives.ScaleRule``).
     """
     N, K = W.shape
     if factor.diagonal.shape[0] != K:
@@ -205,7 +209,7 @@ def gptq_factored(
 
     static = act_order and static_groups and group_size != -1
     if static:
-        static_scale, static_zero = _qparams(Wt.T.reshape(N, K // size, size), bits, sym, mse_clip)  # (N, G)
+        static_scale, static_zero = _qparams(Wt.T.reshape(N, K // size, size), bits, sym, mse_clip, rule)  # (N, G)
         static_scale, static_zero = static_scale.T.contiguous(), static_zero.T.contiguous()  # (G, N)
     if act_order:
         Wt = Wt[perm]
@@ -235,7 +239,7 @@ def gptq_factored(
                     if j + size > i2:
                         pending = Wt[i2 : j + size] - U[:i, i2 : j + size].T @ Err1[:i]
                         current = torch.cat([current, pending])  # (size, N)
-                    scale, zero = _qparams(current.T, bits, sym, mse_clip)
+                    scale, zero = _qparams(current.T, bits, sym, mse_clip, rule)
                     scales.append(scale)
                     zeros.append(zero)
                 w, err = W1[i], Err1[i]
@@ -266,15 +270,16 @@ def gptq_factored(
     return record, 0.5 * loss.item()
 
 
-def _qparams(groups: torch.Tensor, bits: int, sym: bool, mse_clip: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _qparams(groups: torch.Tensor, bits: int, sym: bool, mse_clip: bool,
+             rule: ScaleRule = GPTQ_RULE) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero [...] of the groups [..., size]: min/max, or with ``mse_clip`` the best shrunk range."""
     xmin, xmax = groups.amin(dim=-1), groups.amax(dim=-1)
     if not mse_clip:
-        return qparams_from_range(xmin, xmax, bits, sym)
+        return qparams_from_range(xmin, xmax, bits, sym, rule)
     best = torch.full_like(xmin, float("inf"))
     scale, zero = torch.empty_like(xmin), torch.empty_like(xmin)
     for p in _SHRINK:
-        s, z = qparams_from_range(p * xmin, p * xmax, bits, sym)
+        s, z = qparams_from_range(p * xmin, p * xmax, bits, sym, rule)
         q = torch.round(groups / s[..., None]).add_(z[..., None]).clamp_(0, max_code(bits))
         err = q.sub_(z[..., None]).mul_(s[..., None]).sub_(groups).abs_().pow_(_MSE_NORM).sum(dim=-1)
         better = err < best

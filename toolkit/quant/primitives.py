@@ -9,6 +9,14 @@ formats can all represent:
   code = clamp(round(W / scale) + zero, 0, maxq);   Ŵ = scale · (code − zero)
 
 Groups run along the input dimension: column k belongs to group ``g_idx[k]``.
+
+``ScaleRule`` changes two things for a target that needs them (GGUF, ``GGUF_RULE``):
+  signed_max: symmetric scale = x_ext / −2^(bits−1), x_ext the group's value of largest magnitude (llama.cpp's
+              ``quantize_row_q4_0_ref``: d = max / −8). x_ext lands exactly on code 0 and all 2^bits codes are used;
+              the scale is negative when x_ext is positive. The GPTQ rule above puts ±amax at ±(2^(bits−1) − ½)
+              steps, so its positive end clamps half a step short and code 0's step is spent on −amax alone.
+  dtype:      the scale is rounded to this dtype (fp16 for GGUF, whose blocks store it so) before the zero and the
+              codes are chosen, so the codes are the nearest ones on the grid that is stored.
 """
 
 from __future__ import annotations
@@ -31,31 +39,58 @@ def default_g_idx(in_features: int, group_size: int, device=None) -> torch.Tenso
     return columns // group_size
 
 
+@dataclass(frozen=True)
+class ScaleRule:
+    """How a group's range becomes its scale beyond bits and sym (the module docstring): ``signed_max`` puts a
+    symmetric group's largest-magnitude value exactly on code 0; ``dtype`` (None: float32) is the dtype scales are
+    stored in, rounded to before codes are chosen."""
+
+    signed_max: bool = False
+    dtype: torch.dtype | None = None
+
+
+GPTQ_RULE = ScaleRule()  # the GPTQ reference grid, every safetensors format's default
+GGUF_RULE = ScaleRule(signed_max=True, dtype=torch.float16)  # llama.cpp's Q4_0 rule, fp16 scales as its blocks store
+
+
 def qparams_from_range(
-    xmin: torch.Tensor, xmax: torch.Tensor, bits: int, sym: bool
+    xmin: torch.Tensor, xmax: torch.Tensor, bits: int, sym: bool, rule: ScaleRule = GPTQ_RULE
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero for ranges [xmin, xmax] (any matching shapes). Returns float scale, float zero (integral)."""
+    """Scale and zero for ranges [xmin, xmax] (any matching shapes). Returns float scale, float zero (integral).
+
+    With ``rule.signed_max`` the extreme is xmin when |xmin| ≥ xmax, else xmax (llama.cpp keeps the first of two
+    equal magnitudes in its block; either choice leaves the other end one step outside the grid)."""
     maxq = max_code(bits)
     xmin = torch.minimum(xmin, torch.zeros_like(xmin))
     xmax = torch.maximum(xmax, torch.zeros_like(xmax))
     if sym:
-        amax = torch.maximum(xmin.abs(), xmax)
-        scale = 2 * amax / maxq
-        zero = torch.full_like(scale, float(1 << (bits - 1)))
+        if rule.signed_max:
+            extreme = torch.where(-xmin >= xmax, xmin, xmax)
+            scale = extreme / -float(1 << (bits - 1))
+        else:
+            scale = 2 * torch.maximum(xmin.abs(), xmax) / maxq
     else:
         scale = (xmax - xmin) / maxq
-        zero = torch.round(-xmin / torch.where(scale == 0, torch.ones_like(scale), scale))
-    # An all-zero group: any scale reproduces it exactly; 1 keeps the scale finite in fp16.
+    if rule.dtype is not None:
+        scale = scale.to(rule.dtype).float()
+    # An all-zero group (or one whose scale underflows the dtype): any scale reproduces it within the underflow;
+    # 1 keeps the scale finite in fp16.
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    if sym:
+        zero = torch.full_like(scale, float(1 << (bits - 1)))
+    else:
+        zero = torch.round(-xmin / scale)
     return scale, zero
 
 
-def group_qparams(W: torch.Tensor, bits: int, group_size: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def group_qparams(
+    W: torch.Tensor, bits: int, group_size: int, sym: bool, rule: ScaleRule = GPTQ_RULE
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Min/max scale and zero of every (row, contiguous group) of ``W`` [N, K] → scale, zero [N, G]."""
     N, K = W.shape
     size = K if group_size == -1 else group_size
     groups = W.float().reshape(N, K // size, size)  # (N, G, group_size)
-    return qparams_from_range(groups.amin(dim=-1), groups.amax(dim=-1), bits, sym)
+    return qparams_from_range(groups.amin(dim=-1), groups.amax(dim=-1), bits, sym, rule)
 
 
 def quantize(
@@ -106,10 +141,11 @@ class QuantizedWeight:
 
 
 def quantize_rtn(
-    W: torch.Tensor, bits: int, group_size: int, sym: bool, bias: torch.Tensor | None = None
+    W: torch.Tensor, bits: int, group_size: int, sym: bool, bias: torch.Tensor | None = None,
+    rule: ScaleRule = GPTQ_RULE,
 ) -> QuantizedWeight:
     """Round-to-nearest on min/max ranges per group: the baseline every other method must beat."""
-    scale, zero = group_qparams(W, bits, group_size, sym)
+    scale, zero = group_qparams(W, bits, group_size, sym, rule)
     g_idx = default_g_idx(W.shape[1], group_size, W.device)
     codes = quantize(W, scale, zero, g_idx, bits)
     return QuantizedWeight(codes, scale, zero.to(torch.int32), g_idx, bits, group_size, sym, bias)
