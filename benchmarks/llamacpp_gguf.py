@@ -13,13 +13,14 @@ Every file is scored by llama.cpp itself (``tests/integration/llamacpp_judge.py`
 - the best compound Q4_0 file again with llama.cpp's Q8_0 KV cache (``type_k``/``type_v``).
 
 Columns: perplexity, its increase over F32, file size, and llama.cpp greedy tokens/s (batch 1, ``--threads``
-threads, ``--new-tokens`` after a 64-token prompt). Timings need a quiet machine; quantizations and scores do not.
+threads, ``--new-tokens`` after a 64-token prompt). Timings need a quiet machine; quantizations and scores do not:
+``--beside "..."`` names what ran beside the run, and the table then says its tok/s were not measured quietly.
 
 Caveat printed with the table: SmolLM2's weights came from a Q4_1 GGUF file, so asymmetric g32 round-to-nearest
 recovers them almost exactly and flatters every Q4_1 row; judge the methods on Q4_0 and Q4_K_M.
 
     python benchmarks/llamacpp_gguf.py [--windows 16] [--seq-len 512] [--samples 128] [--threads 2] [--quantize-threads N] [--grids Q4_0,Q4_1] [--reuse]
-                                      [--no-write]
+                                      [--beside "what else ran"] [--cached-only] [--no-write]
 """
 
 from __future__ import annotations
@@ -51,12 +52,13 @@ def judge(*args: str) -> dict:
     return json.loads(done.stdout)
 
 
-def compound_file(method: str, block: str, args) -> Path:
-    """compound's ``method`` checkpoint of SmolLM2 in the ``block`` grid, with its GGUF file (made unless reused)."""
+def compound_file(method: str, block: str, args, make: bool = True) -> Path:
+    """compound's ``method`` checkpoint of SmolLM2 in the ``block`` grid, with its GGUF file (made unless reused or
+    ``make`` is False)."""
     name = f"{method.replace('+', '-')}-{block}"
     directory = CACHE / name
     gguf_file = directory / f"{name}-{block}.gguf"
-    if not (args.reuse and gguf_file.is_file()):
+    if make and not (args.reuse and gguf_file.is_file()):
         subprocess.run(["compound", "quantize", "--model", MODEL, "--method", method, "--bits", "4", "--group-size",
                         "32", GRIDS[block], "--samples", str(args.samples), "--seq-len", str(args.seq_len), "--gguf",
                         "--threads", str(args.quantize_threads or args.threads), "--output", str(directory),
@@ -76,6 +78,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--grids", default=",".join(GRIDS), help="compound's grids to write: Q4_0,Q4_1.")
     parser.add_argument("--reuse", action="store_true", help="Keep files already in benchmarks/.cache/gguf.")
+    parser.add_argument("--beside", default="", help="What ran beside this run (its tok/s are then labelled as "
+                        "measured beside it, not quietly).")
+    parser.add_argument("--cached-only", action="store_true", help="With --reuse: leave out the compound files not "
+                        "in the cache (named under the table as not run) instead of quantizing them.")
     parser.add_argument("--no-write", action="store_true", help="Print the table without updating BENCHMARKS.md.")
     args = parser.parse_args()
 
@@ -94,9 +100,14 @@ def main() -> None:
         if not (args.reuse and out.is_file()):
             judge("quantize", f32, out, type_name, "--threads", args.threads)
         files[f"llama.cpp {type_name}"] = ("llama.cpp", type_name, out)
+    not_run = []
     for block in args.grids.split(","):
         for method in METHODS:
-            files[f"compound {method} {block}"] = ("compound", block, compound_file(method, block, args))
+            label = f"compound {method} {block}"
+            if args.cached_only and not compound_file(method, block, args, make=False).is_file():
+                not_run.append(label)
+                continue
+            files[label] = ("compound", block, compound_file(method, block, args))
 
     tokenizer = AutoTokenizer.from_pretrained(CACHE / "rtn-Q4_0")
     windows = eval_windows(tokenizer, "sharegpt", args.windows, args.seq_len)
@@ -128,16 +139,20 @@ def main() -> None:
     own = measured["llama.cpp Q4_0"][3] - base
     ours = measured[best][3] - base
     k_m = measured["llama.cpp Q4_K_M"][3] - base
+    quiet = (f"measured beside {args.beside}: not a quiet machine, so the tok/s column is indicative only (the load "
+             f"changed during the run)" if args.beside else "nothing else running")
     body = (f"`python benchmarks/llamacpp_gguf.py --windows {args.windows} --seq-len {args.seq_len} --samples "
-            f"{args.samples} --threads {args.threads} --grids {args.grids}`: SmolLM2-135M-Instruct, every file "
+            f"{args.samples} --threads {args.threads} --grids {args.grids}{' --reuse' if args.reuse else ''}"
+            f"{' --cached-only' if args.cached_only else ''}`: SmolLM2-135M-Instruct, every file "
             f"scored by llama.cpp (llama-cpp-python 0.3.36 built from source) on the same {args.windows}×{args.seq_len} held-out ShareGPT tokens; compound "
             f"quantized W4 g32 on {args.samples}×{args.seq_len} calibration tokens and wrote its own codes "
             f"(`quantize --gguf`); llama.cpp's quantizer started from compound's F32 export. tok/s: llama.cpp greedy, "
-            f"batch 1, {args.threads} threads, {args.new_tokens} tokens after a 64-token prompt, nothing else "
-            f"running.\n\n{table}\n\n"
+            f"batch 1, {args.threads} threads, {args.new_tokens} tokens after a 64-token prompt, {quiet}.\n\n"
+            f"{table}\n\n"
             f"Best compound Q4_0 ({best.removeprefix('compound ')}): perplexity increase {ours:+.3f} against llama.cpp "
             f"Q4_0's {own:+.3f}, a cut of {100 * (1 - ours / own):.0f} %; llama.cpp Q4_K_M (super-blocks of 256 with "
             f"6-bit sub-scales, Q6_K output) {k_m:+.3f}.\n\n"
+            + (f"Not run this time (not in the cache): {', '.join(not_run)}.\n\n" if not_run else "") +
             "Caveat: SmolLM2's weights came from a Q4_1 GGUF file, so asymmetric g32 round-to-nearest recovers them "
             "almost exactly and flatters every Q4_1 row (and llama.cpp's own Q4_1); judge methods on Q4_0 and "
             "Q4_K_M.\n")
