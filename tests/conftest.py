@@ -55,6 +55,12 @@ FAMILY_EXTRAS = {
                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                          "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                             "rope_theta": 1000000.0}}),
+    # Mixture-of-Experts: 4 experts, top 2 (one dense layer in Qwen's, as mlp_only_layers allows)
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                      mlp_only_layers=[1]),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      shared_expert_intermediate_size=128, mlp_only_layers=[1]),
 }
 
 

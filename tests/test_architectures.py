@@ -9,7 +9,9 @@ import torch
 from conftest import byte_tokenizer, refused, tiny_config
 from toolkit.architectures import FAMILIES, UnsupportedFamily, family, supporting
 from toolkit.decode import DecodeError, Decoder
+from toolkit.experts import unfuse_experts
 from toolkit.heads.eagle import EagleHead
+from toolkit.methods.awq import expand_groups
 from toolkit.models import ModelError, arch_spec, decoder_layers, layer_linears
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,11 +27,20 @@ def family_model(model_type: str):
     return AutoModelForCausalLM.from_config(tiny_config(model_type, vocab=128)).eval()
 
 
+def _has(module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+        return True
+    except AttributeError:
+        return False
+
+
 def test_coverage_is_what_compound_supports():
-    every = ("gemma", "gemma2", "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
+    every = ("gemma", "gemma2", "gemma3_text", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen2_moe", "qwen3",
+             "qwen3_moe")
     assert supporting() == every
     assert supporting("decode") == every
-    assert supporting("eagle") == ("llama", "mistral", "qwen2", "qwen3")
+    assert supporting("eagle") == ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
     assert supporting("gguf") == ("llama",)
 
 
@@ -40,11 +51,22 @@ def test_every_reader_follows_the_table(model_type):
     assert arch_spec(model) is entry
     layer = decoder_layers(model)[0]
     assert decoder_layers(model) is model.get_submodule(entry.layers)
-    for prev, names in entry.awq_groups:
-        for name in (prev, *names):
-            layer.get_submodule(name)  # raises when a scaling group names no module of the layer
-    # q/k/v and gate/up, separate or fused, and with o_proj and down_proj every linear of the layer
-    assert set(layer_linears(layer)) == {*entry.qkv, *entry.gate_up, "self_attn.o_proj", "mlp.down_proj"}
+    layers = unfuse_experts(family_model(model_type)).model.layers
+    linears = {name for layer in layers for name in layer_linears(layer)}
+    for prev, names in expand_groups(entry.awq_groups, dict.fromkeys(linears)):
+        # every scaling group names modules of some layer (a MoE family's dense groups: its dense layers)
+        assert any(all(_has(layer, name) for name in (prev, *names)) for layer in layers), (prev, names)
+    unfused = unfuse_experts(family_model(model_type)).model.layers[0]
+    # q/k/v and gate/up, separate or fused, and with o_proj and down_proj every linear of the layer; a MoE layer's
+    # MLP is its experts' projections (one linear each once unfused), a shared expert's and its gate
+    if entry.experts is None:
+        assert set(layer_linears(layer)) == {*entry.qkv, *entry.gate_up, "self_attn.o_proj", "mlp.down_proj"}
+    else:
+        experts = {f"mlp.experts.{e}.{name}" for e in range(4) for name in entry.experts.projections}
+        shared = ({f"{entry.experts.shared}.{n}" for n in ("gate_proj", "up_proj", "down_proj")}
+                  | {"mlp.shared_expert_gate"} if entry.experts.shared else set())
+        assert set(layer_linears(layer)) == {*entry.qkv, "self_attn.o_proj"} | shared
+        assert set(layer_linears(unfused)) == {*entry.qkv, "self_attn.o_proj"} | shared | experts
     assert hasattr(layer.self_attn, "q_norm") == entry.qk_norm
     assert hasattr(layer, "post_feedforward_layernorm") == entry.post_norms
     layer.get_submodule(entry.mlp_norm)
@@ -56,13 +78,13 @@ def test_every_reader_follows_the_table(model_type):
         assert EagleHead.from_target(model, "eagle").config.hidden_size == 64
     else:
         with pytest.raises(ValueError, match=f"model_type '{model_type}' are not supported; supported: llama, "
-                                             "mistral, qwen2, qwen3$"):
+                                             "mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe$"):
             EagleHead.from_target(model, "eagle")
 
 
 def test_an_unknown_family_is_refused_naming_the_supported_ones():
     with pytest.raises(UnsupportedFamily, match=r"'gpt2' is not supported; supported: gemma, gemma2, gemma3_text, "
-                                                r"llama, mistral, phi3, qwen2, qwen3$"):
+                                                r"llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe$"):
         family("gpt2")
     with pytest.raises(UnsupportedFamily, match=r"'gemma2' is not supported for eagle; supported: llama, mistral"):
         family("gemma2", "eagle")
@@ -72,7 +94,8 @@ def test_an_unknown_family_is_refused_naming_the_supported_ones():
     model = family_model("llama")
     model.config.model_type = "gpt2"
     with pytest.raises(ModelError, match=r"unsupported architecture 'gpt2': compound quantizes gemma, gemma2, "
-                                         r"gemma3_text, llama, mistral, phi3, qwen2, qwen3$"):
+                                         r"gemma3_text, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, "
+                                         r"qwen3_moe$"):
         decoder_layers(model)
     with pytest.raises(DecodeError, match="does not support model_type 'gpt2'; it decodes gemma, gemma2"):
         Decoder.from_model(model, max_len=8)

@@ -14,11 +14,12 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from conftest import byte_tokenizer, perturb_biases_and_norms, tiny_config
 from toolkit.architectures import FAMILIES, supporting
 from toolkit.decode import Decoder, generate
+from toolkit.experts import hub_name, unfuse_experts
 from toolkit.models import layer_linears
 from toolkit.quant.configs import make_config
 from toolkit.quantize import CalibrationSpec, QuantizeSettings, quantize
@@ -109,47 +110,71 @@ def gptq_weight(tensors: dict, bits: int) -> torch.Tensor:
 
 def awq_weights(tensors: dict, quantization_config: dict) -> dict:
     """{module: W} through compressed-tensors' AutoAWQ converter and its pack-quantized decompressor."""
-    from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.entrypoints.convert.converters import AutoAWQConverter
 
     converter = AutoAWQConverter.from_autoawq_config(quantization_config)
-    converted = converter.process(dict(tensors))
     scheme = next(iter(converter.update_config(None).config_groups.values()))
+    return decompressed(converter.process(dict(tensors)), scheme)
+
+
+def compressed_tensors_weights(tensors: dict, quantization_config: dict) -> dict:
+    """{module: W} of a compressed-tensors checkpoint through compressed-tensors' own decompressor."""
+    from compressed_tensors.quantization import QuantizationScheme
+
+    (group,) = quantization_config["config_groups"].values()
+    scheme = QuantizationScheme(**group)
+    scheme.format = scheme.format or quantization_config["format"]
+    return decompressed(tensors, scheme)
+
+
+def decompressed(tensors: dict, scheme) -> dict:
+    """{module: W} of every ``weight_packed`` module, by compressed-tensors' decompressor for ``scheme``."""
+    from compressed_tensors.compressors import BaseCompressor
+
     compressor = BaseCompressor.get_value_from_registry(scheme.format)
     weights = {}
-    for key in [k for k in converted if k.endswith(".weight_packed")]:
+    for key in [k for k in tensors if k.endswith(".weight_packed")]:
         module = key.removesuffix(".weight_packed")
-        own = {k.removeprefix(module + "."): v for k, v in converted.items() if k.startswith(module + ".weight_")}
+        own = {k.removeprefix(module + "."): v for k, v in tensors.items() if k.startswith(module + ".weight_")}
         own["weight_scale"] = own["weight_scale"].float()  # (q − zero) · scale in fp32, as compound's reference
         weights[module] = compressor.decompress(own, scheme)["weight"]
     return weights
 
 
 def dense_reference(directory, fmt):
-    """transformers' model of ``directory`` with the weights an independent reader dequantizes from its files."""
+    """transformers' model of ``directory`` with the weights an independent reader dequantizes from its files.
+
+    compressed-tensors: transformers' own integration for dense families. For Mixture-of-Experts ones compressed-
+    tensors' decompressor per expert instead: transformers 5.24's MoE path (``CompressedTensorsDequantize`` on merged
+    experts) drops the zero points, and refuses asymmetric checkpoints ("Asymmetric quant requires zero-point
+    values")."""
     from transformers import AutoConfig, AutoModelForCausalLM, CompressedTensorsConfig
 
-    if fmt == "compressed-tensors":
+    config = AutoConfig.from_pretrained(directory)
+    if fmt == "compressed-tensors" and FAMILIES[config.model_type].experts is None:
         return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
                                                     quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
-    config = AutoConfig.from_pretrained(directory)
     quant = config.quantization_config
     del config.quantization_config
     tensors = load_file(directory / "model.safetensors")
-    marker = ".qweight"
+    marker = ".weight_packed" if fmt == "compressed-tensors" else ".qweight"
     modules = [k.removesuffix(marker) for k in tensors if k.endswith(marker)]
     if fmt == "awq":
         weights = awq_weights(tensors, quant)
+    elif fmt == "compressed-tensors":
+        weights = compressed_tensors_weights(tensors, quant)
     else:
         weights = {m: gptq_weight({k.removeprefix(m + "."): v for k, v in tensors.items() if k.startswith(m + ".")},
                                   quant["bits"]) for m in modules}
-    suffixes = ("qweight", "qzeros", "scales", "g_idx")
+    suffixes = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_zero_point",
+                "weight_shape")
     state = {k: v.float() for k, v in tensors.items() if k.rpartition(".")[2] not in suffixes}
-    state.update({f"{m}.weight": weights[m] for m in modules})
-    model = AutoModelForCausalLM.from_config(config).eval()
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
-    model.tie_weights()
+    state.update({f"{m}.weight": weights[m].contiguous() for m in modules})
+    # a float checkpoint of the dequantized weights, read by transformers (which fuses per-expert tensors itself)
+    dense = directory.parent / f"{directory.name}-dense"
+    config.save_pretrained(dense)
+    save_file(state, dense / "model.safetensors", metadata={"format": "pt"})
+    model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
     return model
 
 
@@ -164,11 +189,15 @@ def test_quantize_load_decode(tmp_path, family_dirs, model_type, method, fmt, op
 
     reference = dense_reference(out, fmt)
     # the names on disk: every linear of every decoder layer, fused ones kept fused (vLLM's Phi-3 loader reads
-    # qkv_proj and gate_up_proj as they are), and nothing else quantized
+    # qkv_proj and gate_up_proj as they are), each expert's projections under the Hub's per-expert names (what
+    # vLLM's and transformers' loaders read), and nothing else quantized (routers stay float)
     marker = "weight_packed" if fmt == "compressed-tensors" else "qweight"
     on_disk = {k.removesuffix("." + marker) for k in load_file(out / "model.safetensors") if k.endswith(marker)}
-    expected = {f"model.layers.{i}.{name}" for i, layer in enumerate(reference.model.layers)
-                for name in layer_linears(layer)}
+    layout = FAMILIES[model_type].experts
+    routers = layout.routers if layout else ()
+    expected = {hub_name(layout, f"model.layers.{i}.{name}")
+                for i, layer in enumerate(unfuse_experts(float_model(model_type)).model.layers)
+                for name in layer_linears(layer) if name not in routers}
     assert on_disk == expected
 
     compound, _ = load_quantized(out, backend="reference")

@@ -17,11 +17,20 @@ Linears inside a decoder layer are found by module type and how they share input
 |             | attention and final logits, a window on the ``sliding_attention`` layers                       |
 | gemma3_text | Gemma 2's layer with per-head q/k norms, and RoPE frequencies per layer type (a local base on  |
 |             | sliding layers, the global one with its scaling on full ones); soft-capping only where set     |
+| mixtral     | Mistral's attention; the MLP is a sparse block: a router picks the top-k of E experts per token |
+|             | (softmax over the top-k), each a SiLU-gated MLP named w1 (gate), w3 (up), w2 (down); on the Hub |
+|             | the block is ``block_sparse_moe``                                                              |
+| qwen3_moe   | Qwen3's attention; a sparse block of E experts (gate_proj, up_proj, down_proj), top-k routing  |
+|             | (renormalised when ``norm_topk_prob``); layers in ``mlp_only_layers`` keep a dense MLP        |
+| qwen2_moe   | Qwen2's attention; Qwen3-MoE's sparse block plus a shared expert (a dense MLP on every token) |
+|             | weighted by sigmoid(``shared_expert_gate``)                                                    |
 
 What compound does with each: every family quantizes to every format; ``decode`` marks those ``toolkit.decode`` runs
 (and so Medusa heads, selected in that loop), ``eagle`` those EAGLE heads (``toolkit.heads.eagle``) can draft for, and
 ``gguf`` those written as GGUF files for llama.cpp (``toolkit.formats.gguf``).
-A Mixture-of-Experts layout is one more field of an entry (its experts and router replace the dense MLP).
+A Mixture-of-Experts layout is one more field of an entry (``Experts``: how its experts are named, which modules
+route, where the Hub stores the block); ``toolkit.experts`` turns transformers' fused expert tensors into one linear
+per expert projection, so every method and format treats an expert's projection as any other linear.
 """
 
 from __future__ import annotations
@@ -31,6 +40,35 @@ from dataclasses import dataclass
 
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The Mixture-of-Experts block of a family (transformers 5 layout: ``mlp.gate`` routes, ``mlp.experts`` holds
+    fused ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]).
+
+    projections: each expert's gate, up and down linears as the Hub names them (``mlp.experts.{e}.<name>``).
+    routers: modules of the block that route (relative to the layer); they stay in float and every format lists
+    them as not quantized. shared: a dense expert every token goes through (Qwen2-MoE ``mlp.shared_expert``), or
+    None. hub_block: the block's name in Hub checkpoints where it differs from transformers' ``mlp`` (Mixtral's
+    ``block_sparse_moe``); what compound writes and reads on disk.
+    """
+
+    projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    routers: tuple[str, ...] = ("mlp.gate",)
+    shared: str | None = None
+    hub_block: str = "mlp"
+
+    def awq_groups(self) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """AWQ's scaling groups of the block, ``*`` standing for every expert index: the gate/up of every expert
+        (and of the shared expert) read the post-attention norm, so one scale over all their outputs folds into it;
+        each expert's down_proj reads its own up_proj's rows."""
+        gate, up, down = (f"mlp.experts.*.{name}" for name in self.projections)
+        shared = () if self.shared is None else (f"{self.shared}.gate_proj", f"{self.shared}.up_proj")
+        groups = (("post_attention_layernorm", (gate, up, *shared)), (up, (down,)))
+        if self.shared is not None:
+            groups += ((f"{self.shared}.up_proj", (f"{self.shared}.down_proj",)),)
+        return groups
 
 
 @dataclass(frozen=True)
@@ -72,6 +110,7 @@ class Family:
     decode: bool = True
     eagle: bool = True
     gguf: bool = False
+    experts: Experts | None = None
 
     @property
     def mlp_norm(self) -> str:
@@ -102,6 +141,22 @@ FAMILIES: dict[str, Family] = {
     "gemma": _GEMMA,
     "gemma2": _GEMMA2,
     "gemma3_text": dataclasses.replace(_GEMMA2, qk_norm=True, rope_by_layer_type=True),
+}
+
+
+def _moe(dense: Family, experts: Experts, dense_layers: bool = False) -> Family:
+    """A MoE family: ``dense``'s attention, ``experts`` in place of the MLP; with ``dense_layers`` (Qwen's
+    ``mlp_only_layers``) some layers keep ``dense``'s MLP and its scaling groups."""
+    attention = tuple(g for g in dense.awq_groups if not (g[0].startswith("mlp.") or g[0] == dense.mlp_norm))
+    mlp = tuple(g for g in dense.awq_groups if g not in attention) if dense_layers else ()
+    return dataclasses.replace(dense, experts=experts, awq_groups=attention + mlp + experts.awq_groups())
+
+
+FAMILIES |= {
+    "mixtral": _moe(_LLAMA, Experts(projections=("w1", "w3", "w2"), hub_block="block_sparse_moe")),
+    "qwen3_moe": _moe(FAMILIES["qwen3"], Experts(), dense_layers=True),
+    "qwen2_moe": _moe(_LLAMA, Experts(routers=("mlp.gate", "mlp.shared_expert_gate"), shared="mlp.shared_expert"),
+                      dense_layers=True),
 }
 CAPABILITIES = ("decode", "eagle", "gguf")
 

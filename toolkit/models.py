@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from toolkit.architectures import Family, UnsupportedFamily, family
+from toolkit.experts import unfuse_experts
 
 EMBEDDED = {
     # alias: (package holding the file, file name inside it)
@@ -181,14 +182,15 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False):
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> nn.Module:
-    """A causal LM in ``dtype`` on the CPU, in eval mode, with its architecture checked before anything runs."""
+    """A causal LM in ``dtype`` on the CPU, in eval mode, with its architecture checked before anything runs; a
+    Mixture-of-Experts model has one linear per expert projection (``toolkit.experts.unfuse_experts``)."""
     from transformers import AutoModelForCausalLM
 
     name, extra = _from_pretrained_args(spec, trust_remote_code)
     config = _checked_config(spec, trust_remote_code)  # passed on: a GGUF file is not parsed for its config again
     model = _hub_call(spec, AutoModelForCausalLM.from_pretrained, name, config=config, dtype=dtype,
                       trust_remote_code=trust_remote_code, **extra)
-    return model.eval()
+    return unfuse_experts(model).eval()
 
 
 def empty_model(spec: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> nn.Module:
@@ -203,7 +205,7 @@ def empty_model(spec: str, dtype: torch.dtype = torch.float32, trust_remote_code
     path = Path(spec).expanduser()
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
-    return model.eval()
+    return unfuse_experts(model).eval()
 
 
 def context_length(config) -> int | None:

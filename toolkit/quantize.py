@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import resource
 import time
@@ -31,6 +32,7 @@ from toolkit.formats.checkpoint import (
 )
 from toolkit.methods import driver_for, error_measure
 from toolkit.models import arch_spec, check_seq_len, decoder_layers, empty_model, load_model, load_tokenizer
+from toolkit.experts import hub_name, hub_tensors
 from toolkit.options import check_choices, option
 from toolkit.quant import kv_cache as kv
 from toolkit.quant.configs import ConfigError, WeightQuantConfig, methods_that
@@ -100,6 +102,7 @@ class QuantizeResult:
     memory: memory.MemoryEstimate | None = None
     config: WeightQuantConfig | None = None  # as run: the group size fitted to the model
     choices: dict[str, str] = field(default_factory=dict)  # "format" / "group size" → what was chosen and why
+    experts: dict | None = None  # Mixture-of-Experts calibration: ``expert_report``
 
 
 def quantize(
@@ -169,6 +172,7 @@ def quantize(
     if rank == 0:
         _remove_leftovers(output, progress)
     skeleton = empty_model(model_spec, torch.float32, trust_remote_code)  # 2
+    config = with_routers(config, skeleton)
     config, group_reason = config.fitted(input_widths(skeleton, config))  # 3
     choices = {"format": f"{fmt} ({fmt_reason})"}
     if group_reason:
@@ -207,6 +211,7 @@ def quantize(
         calib_info = {**vars(calibration), "seed": config.seed, "fingerprint": fingerprint(tokens)}
         tokens = tokens[rank::world]  # this rank's share
     packed: dict[str, dict[str, torch.Tensor]] = {}
+    routed: dict[str, int] = {}  # MoE: calibration tokens per expert
     writes = rank == 0
 
     def sink(name, qweight):
@@ -218,7 +223,7 @@ def quantize(
         with scratch_directory(output) if offload_activations else contextlib.nullcontext() as offload_dir:
             return quantize_layers(model, config, driver_for(config), weight_tokens, sink, batch_size=batch_size,
                                    device=distributed.rank_device() if world > 1 else "cpu", progress=progress,
-                                   source=source, offload_dir=offload_dir)
+                                   source=source, offload_dir=offload_dir, routed=routed)
 
     quantization_config = layout.quantization_config(config)
 
@@ -231,17 +236,18 @@ def quantize(
             "calibration": calib_info or None,
             "kv_cache": kv_info,
             "layer_errors": {"measure": error_measure(config), "linears": errors},
+            "experts": expert_report(config, routed) if routed else None,
         }
 
     if stream and not writes:
         errors = run_layers(StreamedLayers(model, shards, lambda index, layer: None))
         distributed.barrier()  # rank 0 is writing the checkpoint
-        return _result(output, started, errors, plan, config, choices)
+        return _result(output, started, errors, plan, config, choices, routed)
     if stream:
         errors = _quantize_streamed(output, model, shards, tokenizer, packed, run_layers, dtype, overwrite,
                                     quantization_config, manifest, _gguf_writer(gguf_file, model_spec))
         distributed.barrier()
-        return _result(output, started, errors, plan, config, choices)
+        return _result(output, started, errors, plan, config, choices, routed)
     errors = run_layers()
     kv_tensors, kv_info = {}, None
     if kv_cache:  # 8
@@ -257,7 +263,32 @@ def quantize(
         write_checkpoint(output, model, tokenizer, packed, quantization_config, manifest(errors, kv_info), dtype,  # 9
                          overwrite, extra_tensors=kv_tensors, then=_gguf_writer(gguf_file, model_spec))
     distributed.barrier()
-    return _result(output, started, errors, plan, config, choices)
+    return _result(output, started, errors, plan, config, choices, routed)
+
+
+def with_routers(config: WeightQuantConfig, model: torch.nn.Module) -> WeightQuantConfig:
+    """``config`` with the routers of a Mixture-of-Experts model (``Experts.routers`` of every sparse layer, by full
+    Hub name) added to ``skip``: they stay in float, and every format's list of modules left unquantized names them.
+    Full names, because AWQ's ``modules_to_not_convert`` matches substrings: ``mlp.gate`` would also keep a dense
+    layer's ``mlp.gate_proj`` in float."""
+    layout = arch_spec(model).experts
+    if layout is None:
+        return config
+    prefix = arch_spec(model).layers
+    routers = tuple(hub_name(layout, f"{prefix}.{i}.{name}") for i, layer in enumerate(decoder_layers(model))
+                    if hasattr(layer.mlp, "experts") for name in layout.routers)
+    return dataclasses.replace(config, skip=config.skip + tuple(r for r in routers if r not in config.skip))
+
+
+def expert_report(config: WeightQuantConfig, routed: dict[str, int]) -> dict:
+    """The manifest's account of a Mixture-of-Experts calibration: the mode, the calibration tokens routed to each
+    expert (min / median / max and each one's), and the experts rounded to nearest for having too few."""
+    counts = sorted(routed.values())
+    starved = [] if config.moe_calibration == "all" else sorted(
+        name for name, n in routed.items() if n < max(config.moe_min_tokens, 1))
+    return {"calibration": config.moe_calibration, "min_tokens": config.moe_min_tokens,
+            "tokens_per_expert": {"min": counts[0], "median": counts[len(counts) // 2], "max": counts[-1]},
+            "rounded_to_nearest": starved, "routed_tokens": routed}
 
 
 def _gguf_file(output: Path, config: WeightQuantConfig, model_config, fmt: str, dtype: str) -> Path:
@@ -327,7 +358,8 @@ def _quantize_streamed(output, model, shards, tokenizer, packed, run_layers, dty
             name = f"{prefix}.{index}"
             quantized = {k: packed.pop(k) for k in [k for k in packed if k.startswith(name + ".")]}
             state = {f"{name}.{k}": t for k, t in layer.state_dict().items()}
-            writer.write({**float_tensors(state, set(quantized), dtype), **packed_tensors(quantized)})
+            writer.write(hub_tensors(model, {**float_tensors(state, set(quantized), dtype),
+                                             **packed_tensors(quantized)}))
 
         errors = run_layers(StreamedLayers(model, shards, save_layer))
         for name, tensor in outer_tensors(model, shards):  # one shard each: one float tensor in memory at a time
@@ -339,8 +371,9 @@ def _quantize_streamed(output, model, shards, tokenizer, packed, run_layers, dty
     return errors
 
 
-def _result(output, started, errors, plan, config, choices) -> QuantizeResult:
-    return QuantizeResult(output, time.perf_counter() - started, peak_rss_mb(), errors, plan, config, choices)
+def _result(output, started, errors, plan, config, choices, routed) -> QuantizeResult:
+    return QuantizeResult(output, time.perf_counter() - started, peak_rss_mb(), errors, plan, config, choices,
+                          expert_report(config, routed) if routed else None)
 
 
 def peak_rss_mb() -> float:

@@ -7,7 +7,8 @@ quantization integration, run with the GPTQModel venv's python (made by scripts/
 ``windows.json`` is a list of lists of token ids, each window one forward. Writes the logits, float32
 [windows, tokens, vocab], to ``--out`` (``torch.save``) and prints one JSON line on stdout: {"loader", "versions",
 "quantization", "modules"} where ``modules`` counts the classes of the model's quantized linears (so the test can
-tell a packed kernel from a dense fallback).
+tell a packed kernel from a dense fallback; a Mixture-of-Experts model's per-expert linears are counted too, where
+the loader keeps them as modules).
 
 - ``gptqmodel``: ``GPTQModel.load(DIR, backend=...)`` with its plain torch kernel for the checkpoint's method
   (``gptq_torch`` / ``awq_torch``: dequantize, then matmul in the model dtype). Its CPU kernels take fp16/bf16 only.
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.save(logits, args.out)
     modules = collections.Counter(type(m).__name__ for name, m in model.named_modules()
                                   if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                                    "down_proj")))
+                                                    "down_proj", ".w1", ".w2", ".w3")))
     print(json.dumps({"loader": args.loader, "quantization": method, "modules": dict(modules),
                       "versions": {"gptqmodel": gptqmodel.__version__, "transformers": transformers.__version__,
                                    "torch": torch.__version__}}))

@@ -68,6 +68,9 @@ def quantize(
         for name, choice in result.choices.items():
             table.add_row(name, choice)
         table.add_row("act-order", describe_act_order(config.act_order, config.static_groups, config.group_size))
+        if result.experts:
+            table.add_row("experts calibrated on", _experts_line(result.experts))
+            table.add_row("experts rounded to nearest", ", ".join(result.experts["rounded_to_nearest"]) or "none")
         table.add_row("quantize wall time", f"{result.seconds:.1f} s")
         table.add_row("peak memory (RSS)", f"{result.peak_rss_mb:.0f} MiB")
         table.add_row("memory estimate", f"{result.memory.total / 2**20:.0f} MiB")
@@ -201,3 +204,11 @@ def decode(
     table.add_row("tokens/s", f"{stats.tokens_per_s:.1f}")
     table.add_row("threads", str(threads))
     Console().print(fit(table))
+
+
+def _experts_line(report: dict) -> str:
+    """The experts row of the summary: calibration mode and tokens per expert."""
+    tokens = report["tokens_per_expert"]
+    mode = "routed tokens" if report["calibration"] == "routed" else "every token"
+    return (f"{mode} (--moe-calibration {report['calibration']}); routed tokens per expert min {tokens['min']} / "
+            f"median {tokens['median']} / max {tokens['max']}; fewer than {report['min_tokens']}: round to nearest")

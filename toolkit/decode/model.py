@@ -1,4 +1,5 @@
-"""A compact decoder forward for the Llama, Qwen, Phi-3 and Gemma families, with a static KV cache and tree attention.
+"""A compact decoder forward for the Llama, Qwen, Phi-3, Gemma and Mixture-of-Experts families, with a static KV cache
+and tree attention.
 
 In the spirit of gpt-fast's ``model.py``: one readable forward, but built *over* a loaded transformers model. Every
 linear is called as the model's own module (so a ``QuantLinear`` or any module with ``forward(x)`` just works; the
@@ -10,7 +11,8 @@ over a *tree* of candidate tokens (each node attends to the cached prefix and it
 ``start + depth``), and cache compaction to the accepted path (SpecInfer, arXiv 2305.09781 §4; Medusa, 2401.10774 §2.3).
 
 Families differ only by data (``toolkit.architectures.FAMILIES``, whose docstring tables how each differs from Llama;
-those with ``decode`` set run here), and everything else is read from the config: the window of each
+those with ``decode`` set run here; a Mixture-of-Experts layer runs the model's own sparse block, whose experts are
+linears like any other), and everything else is read from the config: the window of each
 ``sliding_attention`` layer, and where the family's entry says so, the score scale (``query_pre_attn_scalar``), the
 soft-caps of scores and logits (``c · tanh(x / c)``) and RoPE frequencies per layer type. Soft-capped scores run as an
 explicit softmax (``scaled_dot_product_attention`` cannot cap), in fp32 as transformers' eager attention does.
@@ -47,6 +49,8 @@ class _Layer:
 
     qkv / gate_up: q, k, v and gate, up as three and two linears, or one fused linear each (split by rows).
     post_attn_norm / post_mlp_norm: the norms of the attention and MLP outputs (Gemma 2/3), else None.
+    experts: a Mixture-of-Experts layer's sparse block (the model's own module, routing included), run in place of
+    gate_up and down_proj (then None); None for a dense layer.
     """
 
     attn_norm: torch.Tensor
@@ -55,12 +59,13 @@ class _Layer:
     post_mlp_norm: torch.Tensor | None
     qkv: SharedInputLinears
     o_proj: nn.Module
-    gate_up: SharedInputLinears
-    down_proj: nn.Module
+    gate_up: SharedInputLinears | None
+    down_proj: nn.Module | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     window: int | None
     rope: str | None
+    experts: nn.Module | None = None
 
 
 class Decoder:
@@ -111,15 +116,18 @@ class Decoder:
         layer_types = getattr(config, "layer_types", None)
         sliding = layer_types is None or layer_types[i] == "sliding_attention"
         attn = layer.self_attn
+        sparse = fam.experts is not None and hasattr(layer.mlp, "experts")  # Qwen's mlp_only_layers stay dense
         return _Layer(
             layer.input_layernorm.weight, layer.get_submodule(fam.mlp_norm).weight,
             layer.post_attention_layernorm.weight if fam.post_norms else None,
             layer.post_feedforward_layernorm.weight if fam.post_norms else None,
             SharedInputLinears([layer.get_submodule(name) for name in fam.qkv]), attn.o_proj,
-            SharedInputLinears([layer.get_submodule(name) for name in fam.gate_up]), layer.mlp.down_proj,
+            None if sparse else SharedInputLinears([layer.get_submodule(name) for name in fam.gate_up]),
+            None if sparse else layer.mlp.down_proj,
             attn.q_norm.weight if fam.qk_norm else None, attn.k_norm.weight if fam.qk_norm else None,
             getattr(config, "sliding_window", None) if sliding else None,
             layer_types[i] if fam.rope_by_layer_type else None,
+            layer.mlp if sparse else None,
         )
 
     @classmethod
@@ -183,8 +191,7 @@ class Decoder:
             if layer.post_attn_norm is not None:
                 attended = self._rms_norm(attended, layer.post_attn_norm)
             x = x + attended
-            gate, up = _parts(layer.gate_up(self._rms_norm(x, layer.mlp_norm)), 2)
-            out = layer.down_proj(self.act(gate) * up)
+            out = self._mlp(layer, self._rms_norm(x, layer.mlp_norm))
             if layer.post_mlp_norm is not None:
                 out = self._rms_norm(out, layer.post_mlp_norm)
             x = x + out
@@ -197,6 +204,13 @@ class Decoder:
         return logits, hidden
 
     __call__ = forward
+
+    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        """The MLP of ``layer`` on x [T, D]: gated, or the sparse block of a Mixture-of-Experts layer."""
+        if layer.experts is not None:
+            return layer.experts(x[None])[0]
+        gate, up = _parts(layer.gate_up(x), 2)
+        return layer.down_proj(self.act(gate) * up)
 
     def _attention(self, i: int, layer: _Layer, x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
                    mask: torch.Tensor | None) -> torch.Tensor:

@@ -12,6 +12,12 @@ from safetensors shards; the default does nothing, for a model already in memory
 activations between layers live on disk (``toolkit.engine.offload``). The engine knows no quantization algorithm: a driver
 is any ``LayerDriver`` callable, looked up by method name.
 
+Mixture-of-Experts layers (``toolkit.experts``: one linear per expert projection): before a layer's driver runs,
+the engine counts the calibration tokens routed to each expert. With ``moe_calibration="all"`` every expert also reads
+every token while the driver collects its statistics (the layer's output keeps the true routing); with ``routed``,
+an expert routed fewer than ``moe_min_tokens`` tokens (or none) is listed in ``LayerSession.sparse``, and drivers
+round its linears to nearest. Tracing always runs every expert on every token, so every expert's linears are traced.
+
 Nothing non-finite gets through: each layer's weights are checked when it is loaded, each linear's scales when its
 driver returns them, and the activations after the embeddings and after every layer (``NonFiniteError``, naming the
 decoder layer and the tensor).
@@ -40,10 +46,11 @@ from torch import nn
 from toolkit.architectures import Family
 from toolkit.engine.heap import trim_heap
 from toolkit.engine.offload import DiskActivations
+from toolkit.experts import ExpertLinears, every_token, expert_index
 from toolkit.models import arch_spec, decoder_layers, layer_linears
 from toolkit.quant.configs import WeightQuantConfig
 from toolkit.quant.finite import NonFiniteError, all_finite
-from toolkit.quant.primitives import QuantizedWeight
+from toolkit.quant.primitives import QuantizedWeight, quantize_rtn
 
 
 class ActivationError(NonFiniteError):
@@ -71,6 +78,8 @@ class LayerSession:
     ``errors`` collects one number per linear (the driver's own measure of quantization error) for the report.
     ``replayable``: linear name → (parent module name, the parent's output arity: 0 for the bare tensor, n for a
     tuple whose first item is the linear's output and the rest None); traced once, like ``groups``.
+    ``sparse``: the linears of experts routed too few calibration tokens for statistics; drivers round them to
+    nearest (``rtn_sparse``).
     """
 
     index: int
@@ -83,6 +92,30 @@ class LayerSession:
     arch: Family | None = None
     replayable: dict[str, tuple[str, int]] = field(default_factory=dict)
     kept: dict[str, _Kept] = field(default_factory=dict, repr=False)
+    sparse: set[str] = field(default_factory=set)
+
+    def rtn_sparse(self) -> dict[str, QuantizedWeight]:
+        """Round the ``sparse`` linears to nearest, write their weights back, and return them."""
+        cfg, results = self.config, {}
+        for name in sorted(self.sparse):
+            linear = self.linears[name]
+            results[name] = quantize_rtn(linear.weight.data, cfg.bits, cfg.group_size, cfg.sym, linear.bias)
+            linear.weight.data.copy_(results[name].dequantize().to(linear.weight.dtype))
+        return results
+
+    def routed_tokens(self) -> dict[str, int]:
+        """Calibration tokens routed to each expert of the layer (``ExpertLinears`` path + ``.`` + index → count),
+        from the routing the experts modules receive (the experts themselves are not run)."""
+        blocks = {n: m for n, m in self.layer.named_modules() if isinstance(m, ExpertLinears)}
+        counts = {n: torch.zeros(len(m), dtype=torch.long) for n, m in blocks.items()}
+
+        def seen(name, args, kwargs):
+            top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            counts[name] += torch.bincount(top_k_index.flatten().cpu(), minlength=len(blocks[name]))[:len(blocks[name])]
+
+        if blocks:
+            self.collect(blocks, seen)
+        return {f"{n}.{e}": int(c) for n, block in counts.items() for e, c in enumerate(block.tolist())}
 
     def collect(
         self,
@@ -193,7 +226,8 @@ class LayerSession:
         a Llama layer. Traced on the first batch, so it follows the real forward of any architecture."""
         order: list[tuple[str, torch.Tensor]] = []  # the inputs themselves: an id() could be reused once one is freed
         names = list(layer_linears(self.layer))
-        self.collect(names, lambda name, args, kwargs: order.append((name, args[0])), batches=1)
+        with every_token(self.layer):  # every expert runs, each on an input of its own
+            self.collect(names, lambda name, args, kwargs: order.append((name, args[0])), batches=1)
         groups: list[list[str]] = []
         last_input = None
         for name, tensor in order:
@@ -215,7 +249,7 @@ class LayerSession:
             for n in [*linears, *parents]
         ]
         try:
-            with torch.no_grad():
+            with torch.no_grad(), every_token(self.layer):
                 self.layer(self.inputs.hidden[0], **self.inputs.kwargs[0])
         finally:
             for h in handles:
@@ -311,6 +345,7 @@ def quantize_layers(
     progress: Progress | None = None,
     source: LayerSource | None = None,
     offload_dir: Path | None = None,
+    routed: dict[str, int] | None = None,
 ) -> dict[str, float]:
     """Quantize every decoder-layer linear of ``model`` in place (weights replaced by their dequantized values) and
     hand each ``QuantizedWeight`` to ``sink(full_name, weight)`` as soon as its layer is done. Returns each linear's
@@ -320,6 +355,8 @@ def quantize_layers(
     source: loads and releases each layer's weights (default: ``InMemory``, the model holds them all).
     offload_dir: an existing, empty directory (the caller makes and removes it) that holds the activations between
     layers instead of memory.
+    routed: filled, for a Mixture-of-Experts model, with the calibration tokens routed to each expert (full module
+    name → count).
     """
     scratch = None if offload_dir is None else Path(offload_dir)
     progress = progress or _Silent()
@@ -335,8 +372,7 @@ def quantize_layers(
         store = None if scratch is None else DiskActivations(scratch / "embeddings")
         inputs = capture_layer_inputs(model, tokens, batch_size, device, store)
     progress.start(len(layers))
-    groups: list[list[str]] = []
-    replayable: dict[str, tuple[str, int]] | None = None
+    traced: dict[frozenset[str], tuple[list[list[str]], dict[str, tuple[str, int]]]] = {}  # per layer structure
     errors: dict[str, float] = {}
     for index, layer in enumerate(layers):
         source.load(index, layer)
@@ -344,13 +380,22 @@ def quantize_layers(
         layer.to(device)
         linears = {n: m for n, m in layer_linears(layer).items() if not _skipped(f"{prefix}.{index}.{n}", config)}
         session = LayerSession(index, layer, inputs, config, linears, arch=arch_spec(model))
+        everyone = config.moe_calibration == "all"
         if inputs is not None:
-            groups = groups or session.trace_input_groups()
+            structure = frozenset(layer_linears(layer))  # dense and sparse layers of one MoE model differ
+            if structure not in traced:
+                traced[structure] = session.trace_input_groups(), session.trace_replayable()
+            groups, replayable = traced[structure]
             session.groups = [kept for g in groups if (kept := [n for n in g if n in linears])]
-            replayable = session.trace_replayable() if replayable is None else replayable
-            session.replayable = {n: r for n, r in replayable.items() if n in linears}
+            session.replayable = {n: r for n, r in replayable.items() if n in linears and not everyone}
+            counts = session.routed_tokens()
+            session.sparse = {n for n in linears if not everyone and _expert(n) in counts
+                              and counts[_expert(n)] < max(config.moe_min_tokens, 1)}
+            if routed is not None:
+                routed.update({f"{prefix}.{index}.{e}": c for e, c in counts.items()})
         with torch.no_grad():
-            results = driver(session)
+            with every_token(layer, everyone):
+                results = driver(session)
             for name, qweight in results.items():
                 _check_finite_scales(qweight, f"{prefix}.{index}.{name}", config)
                 linear = linears[name]
@@ -439,6 +484,11 @@ def _outside_layers(module: nn.Module, path: list[str]) -> Iterable[nn.Module]:
                 yield from _outside_layers(child, path[1:])
         elif name != "lm_head":
             yield child
+
+
+def _expert(linear: str) -> str:
+    """The expert module of an expert's linear (``mlp.experts.3.w1`` → ``mlp.experts.3``), else the name itself."""
+    return linear.rsplit(".", 1)[0] if expert_index(linear) is not None else linear
 
 
 def _skipped(full_name: str, config: WeightQuantConfig) -> bool:

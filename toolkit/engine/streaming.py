@@ -22,6 +22,7 @@ from torch import nn
 
 from toolkit.engine.heap import bound_heap, trim_heap
 from toolkit.engine.shards import ShardIndex, is_safetensors_dir
+from toolkit.experts import hub_name
 from toolkit.models import ModelError, arch_spec, decoder_layers, empty_model
 
 DTYPE = torch.float32  # what load_model computes in; a streamed run must match it bit for bit
@@ -56,8 +57,10 @@ def read_layer(model: nn.Module, shards: ShardIndex, index: int, dtype: torch.dt
     returns them to the meta device."""
     layer = decoder_layers(model)[index]
     prefix = f"{arch_spec(model).layers}.{index}."
-    tensors = shards.read([prefix + name for name in layer.state_dict()], dtype)
-    layer.load_state_dict({full.removeprefix(prefix): t for full, t in tensors.items()}, assign=True)
+    layout = arch_spec(model).experts
+    on_disk = {hub_name(layout, prefix + name): name for name in layer.state_dict()}
+    tensors = shards.read(list(on_disk), dtype)
+    layer.load_state_dict({on_disk[full]: t for full, t in tensors.items()}, assign=True)
     return layer
 
 
@@ -68,9 +71,11 @@ def release_layer(layer: nn.Module) -> None:
 
 
 def expected_tensors(model: nn.Module) -> list[str]:
-    """Names of the tensors a checkpoint of ``model`` stores (a tied ``lm_head.weight`` is not stored)."""
+    """Names of the tensors a checkpoint of ``model`` stores, as the Hub names them (``toolkit.experts.hub_name``;
+    a tied ``lm_head.weight`` is not stored)."""
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    return [name for name in model.state_dict() if not (tied and name == "lm_head.weight")]
+    layout = arch_spec(model).experts
+    return [hub_name(layout, name) for name in model.state_dict() if not (tied and name == "lm_head.weight")]
 
 
 def outer_names(model: nn.Module) -> list[str]:

@@ -34,6 +34,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
 
+from toolkit.experts import hub_tensors
 from toolkit.quant.finite import NonFiniteError, all_finite
 
 MANIFEST = "compound.json"
@@ -273,6 +274,7 @@ def write_checkpoint(
     """Write model + quantized tensors + tokenizer + configs + manifest to ``output`` atomically.
 
     quantized: ``{module name: {suffix: tensor}}`` in the target layout; those modules' float weights are left out.
+    Tensors are written under the names the family's Hub checkpoints use (``toolkit.experts.hub_tensors``).
     extra_tensors: further tensors by full name, written as given (e.g. the KV-cache scales ``…self_attn.k_scale``).
     then: writes more files into the staging directory once tensors, configs and tokenizer are there (a GGUF copy),
     before the manifest hashes every file.
@@ -280,6 +282,7 @@ def write_checkpoint(
     tensors = float_state_dict(model, set(quantized), dtype)
     tensors.update(packed_tensors(quantized))
     tensors.update({name: t.contiguous() for name, t in (extra_tensors or {}).items()})
+    tensors = hub_tensors(model, tensors)
     config = export_config(model, dtype, quantization_config)
     return write_directory(output, tensors, config, manifest, model_extras(model, tokenizer, then), overwrite,
                            max_shard_size)

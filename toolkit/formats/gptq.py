@@ -19,6 +19,7 @@ groups; asymmetric v1 zeros also underflow when a true zero is 0. ``check_suppor
 
 from __future__ import annotations
 
+import re
 import sys
 
 import torch
@@ -113,6 +114,9 @@ def quantization_config(config: WeightQuantConfig) -> dict:
         "format": "gptq",
         "pack_dtype": "int32",
         "meta": {"quantizer": [f"compound:{config.method}"]},
+        # modules left in float besides lm_head (MoE routers): GPTQModel's negative rules, which vLLM also reads
+        **({"dynamic": {f"-:(.*\\.)?{re.escape(name)}$": {} for name in skipped}}
+           if (skipped := [n for n in config.skip if n != "lm_head"]) else {}),
     }
 
 

@@ -19,6 +19,7 @@ The folded norms and rows stay in the model (they are float parameters the check
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 
 import torch
@@ -40,9 +41,11 @@ def quantize_layer(session: LayerSession) -> dict[str, QuantizedWeight]:
     cfg = session.config
     activations = scale_layer(session)
 
-    # 3. Clip, quantize, measure.
-    results = {}
+    # 3. Clip, quantize, measure (experts routed too few tokens: round to nearest).
+    results = session.rtn_sparse()
     for name, linear in session.linears.items():
+        if name in session.sparse:
+            continue
         W = linear.weight.data.float()
         R = activations.tokens(name)
         clip = cfg.clip and name.rsplit(".", 1)[-1] not in NO_CLIP
@@ -95,32 +98,61 @@ def scale_layer(session: LayerSession) -> LayerActivations:
 
     # 1. One float forward: each input group's tokens X [T, K], and the calls into each multi-linear block.
     reader = _input_readers(session)
-    blocks = {_block_name(names) for _, names in arch.awq_groups if len(names) > 1 and _quantized(session, names)}
+    groups = expand_groups(arch.awq_groups, session.linears)
+    blocks = {_block_name(names) for _, names in groups if len(names) > 1 and _quantized(session, names)}
     X, calls = _capture(calib, sorted(set(reader.values())), sorted(blocks))
     activations = LayerActivations(X, reader)
 
     # 2. Scaling groups, in order.
-    for prev_name, names in arch.awq_groups:
-        if not _quantized(session, names):
-            continue
+    for prev_name, names in groups:
+        if not _quantized(session, names) or (len(names) == 1 and names[0] in session.sparse):
+            continue  # a linear → linear group of an expert routed too few tokens has nothing to fit on
         linears = [session.linears[n] for n in names]
         if layer.get_submodule(prev_name).weight.shape[0] != linears[0].in_features:
             continue  # e.g. v_proj → o_proj under GQA: v's rows do not line up with o's input columns
-        key = reader[names[0]]
-        if any(reader[n] != key for n in names):
-            raise ValueError(f"AWQ group {names} does not share one input; fix awq_groups in toolkit.architectures")
+        keys = {reader[n] for n in names}
+        # experts read their own routed tokens: the group's input statistics are then those of the block's input
+        x = activations.X[reader[names[0]]] if len(keys) == 1 else _block_input(calls[_block_name(names)])
         if len(names) == 1:
             R = activations.tokens(names[0])
             block = lambda ws, R=R: R @ ws[0].T  # noqa: E731 (K pseudo-tokens; bias cancels in the loss)
         else:
             block = _block_output(layer.get_submodule(_block_name(names)), linears, calls[_block_name(names)])
         found = awq.search_scale(
-            [m.weight.data for m in linears], awq.activation_scale(activations.X[key]), block,
+            [m.weight.data for m in linears], awq.activation_scale(x), block,
             cfg.bits, cfg.group_size, cfg.sym, cfg.grid, cfg.scale_rule,
         )
         fold_group(layer, prev_name, names, found.scales, arch.norm_offset)
-        activations.divide(key, found.scales)
+        for key in keys:
+            activations.divide(key, found.scales)
     return activations
+
+
+def expand_groups(groups: tuple[tuple[str, tuple[str, ...]], ...],
+                  linears: dict[str, nn.Module]) -> list[tuple[str, tuple[str, ...]]]:
+    """``Family.awq_groups`` with ``*`` replaced by the expert indices present among ``linears``: a group whose
+    preceding module is an expert's becomes one group per expert (up_proj → down_proj); one whose linears only are
+    becomes one group over every expert (the post-attention norm → every expert's gate/up). Groups without ``*`` pass
+    unchanged."""
+    out = []
+    for prev, names in groups:
+        patterns = [n for n in names if "*" in n]
+        if not patterns and "*" not in prev:
+            out.append((prev, names))
+            continue
+        indices = sorted({m.group(1) for n in patterns for name in linears
+                          if (m := re.fullmatch(re.escape(n).replace(r"\*", r"(\d+)"), name))}, key=int)
+        if "*" in prev:
+            out += [(prev.replace("*", i), tuple(n.replace("*", i) for n in names)) for i in indices]
+        elif indices:
+            out.append((prev, tuple(n.replace("*", i) for n in patterns for i in indices)
+                        + tuple(n for n in names if "*" not in n)))
+    return out
+
+
+def _block_input(calls: list[tuple[tuple, dict]]) -> torch.Tensor:
+    """What a block read over its captured calls, float32 [T, K]."""
+    return torch.cat([args[0].reshape(-1, args[0].shape[-1]).float() for args, _ in calls])
 
 
 def fold_group(layer: nn.Module, prev_name: str, names: tuple[str, ...], scales: torch.Tensor, norm_offset: float):
@@ -177,12 +209,18 @@ def _quantized(session: LayerSession, names: tuple[str, ...]) -> bool:
 
 
 def _block_name(names: tuple[str, ...]) -> str:
-    """The module whose output a multi-linear group is judged on: its linears' common parent (self_attn, mlp)."""
-    parents = {n.rsplit(".", 1)[0] if "." in n else "" for n in names}
-    if len(parents) != 1 or "" in parents:
+    """The module whose output a multi-linear group is judged on: the innermost module holding all its linears
+    (self_attn, mlp; ``mlp.experts`` for every expert's gate/up)."""
+    paths = [n.split(".")[:-1] for n in names]
+    common = []
+    for parts in zip(*paths):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    if not common:
         raise ValueError(f"AWQ group {names} has no common parent module to evaluate; "
                          "fix awq_groups in toolkit.architectures")
-    return parents.pop()
+    return ".".join(common)
 
 
 def _input_readers(session: LayerSession) -> dict[str, str]:
@@ -206,7 +244,8 @@ def _capture(
         seen[name].append(args[0] if name in linears else (args, dict(kwargs)))
 
     session.collect([*linears, *blocks], keep)
-    X = {name: torch.cat([x.reshape(-1, x.shape[-1]).float() for x in seen[name]]) for name in linears}
+    X = {name: torch.cat([x.reshape(-1, x.shape[-1]).float() for x in seen[name]]) if seen[name]  # an expert may
+         else torch.empty(0, session.linears[name].in_features) for name in linears}  # receive no token
     return X, {name: seen[name] for name in blocks}
 
 

@@ -29,16 +29,17 @@ ERROR_MEASURE = "Hessian-weighted squared error (GPTQ loss)"  # what ``session.e
 
 @driver(GPTQConfig, error_measure=ERROR_MEASURE)
 def quantize_layer(session: LayerSession) -> dict[str, QuantizedWeight]:
-    """Quantize every linear of the layer with GPTQ; ``session.errors`` gets each one's GPTQ loss."""
-    groups = session.groups
-    missing = set(session.linears) - {name for group in groups for name in group}
+    """Quantize every linear of the layer with GPTQ; ``session.errors`` gets each one's GPTQ loss. The linears of
+    experts routed too few tokens (``session.sparse``) are rounded to nearest."""
+    results = session.rtn_sparse()
+    groups = [group for group in session.groups if not session.sparse.intersection(group)]
+    missing = set(session.linears) - session.sparse - {name for group in groups for name in group}
     if missing:
         raise RuntimeError(
             f"linears {', '.join(sorted(missing))} of decoder layer {session.index} never ran on the calibration "
             f"data, so GPTQ has no Hessian for them; add them to skip"
         )
     cfg = session.config
-    results = {}
     hessians = {} if cfg.true_sequential else _hessians(session, groups)
     for group in groups:
         if cfg.true_sequential:

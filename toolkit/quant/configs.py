@@ -42,6 +42,8 @@ class WeightQuantConfig:
     ``needs_hessian``, it accumulates a K×K Hessian per input (GPTQ's statistics, counted by the memory estimate);
     ``searches_scales``, it runs AWQ's scale search on ``max_tokens`` tokens (kept per input, counted likewise);
     ``reorders_columns``, it honours act_order; ``data_parallel``, it can split its calibration over torchrun ranks.
+    moe_calibration / moe_min_tokens: what the experts of a Mixture-of-Experts layer are calibrated on, and below how
+    many routed tokens an expert's linears fall back to round-to-nearest (``toolkit.engine.loop``).
     """
 
     bits: int = option(4, "Weight bits (2..8; the GPTQ format stores 2, 3, 4 or 8).")
@@ -59,6 +61,11 @@ class WeightQuantConfig:
                              flag="--act-order/--no-act-order")
     static_groups: bool = option(True, "GPTQ: with act_order and groups, fix the groups in original column order "
                                        "(vLLM refuses desc_act with groups otherwise).")
+    moe_calibration: str = option("routed", "Mixture-of-Experts: each expert's statistics from the calibration tokens "
+                                            "routed to it (routed), or from every token (all; the layer's output "
+                                            "keeps the true routing).", choices=("routed", "all"))
+    moe_min_tokens: int = option(16, "Mixture-of-Experts: an expert routed fewer calibration tokens than this is "
+                                     "rounded to nearest instead (listed in the output and the manifest).")
     version: int = field(default=1, repr=False)
 
     method: ClassVar[str] = "base"
@@ -73,6 +80,8 @@ class WeightQuantConfig:
             raise ConfigError(f"bits must be between 2 and 8, got {self.bits}")
         if self.group_size is not None and self.group_size not in SUPPORTED_GROUP_SIZES:
             raise ConfigError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {self.group_size}")
+        if self.moe_min_tokens < 0:
+            raise ConfigError(f"moe_min_tokens must be >= 0, got {self.moe_min_tokens}")
         if self.act_order and not self.reorders_columns:
             raise ConfigError(f"act_order is a GPTQ option; method {self.method!r} has none "
                               f"(use {' or '.join(methods_that('reorders_columns'))})")

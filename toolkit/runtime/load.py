@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from toolkit.formats import PACKED_SUFFIXES, FormatError, Scheme, read_quantization_config
+from toolkit.experts import model_name, moe_layout, unfuse_experts
 from toolkit.formats.checkpoint import MANIFEST
 from toolkit.models import check_local_model
 from toolkit.quant.kv_cache import SCALE_NAMES as KV_SCALE_NAMES
@@ -31,7 +32,8 @@ def load_quantized(directory: Path | str, dtype: torch.dtype = torch.float32,
     backend: how the ``QuantLinear`` modules multiply, ``auto`` | ``reference`` | ``cpu-int4`` | ``triton``
     (``toolkit.runtime.quant_linear``); an explicit backend that cannot run this checkpoint is refused here.
     KV-cache scales (``…self_attn.k_scale`` / ``.v_scale``) become buffers of the attention modules
-    (``toolkit.quant.kv_cache.decode_scales`` reads them back per layer).
+    (``toolkit.quant.kv_cache.decode_scales`` reads them back per layer). A Mixture-of-Experts model has one
+    ``QuantLinear`` per expert projection (``toolkit.experts``), read from the Hub's per-expert tensor names.
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -52,11 +54,12 @@ def load_quantized(directory: Path | str, dtype: torch.dtype = torch.float32,
     if problem:
         raise CheckpointError(f"{directory}: {problem}; load it with backend='reference' or 'auto'")
     del config.quantization_config
+    with init_empty_weights(include_buffers=False):
+        model = unfuse_experts(AutoModelForCausalLM.from_config(config, dtype=dtype))
+    layout = moe_layout(model)
     state = {}
     for shard in sorted(directory.glob("*.safetensors")):
-        state.update(load_file(shard))
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        state.update({model_name(layout, k): t for k, t in load_file(shard).items()})
     marker = "." + scheme.format.SUFFIXES[0]  # qweight / weight_packed: present exactly on quantized linears
     for name in sorted(k.removesuffix(marker) for k in state if k.endswith(marker)):
         setattr(model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2],

@@ -1,0 +1,172 @@
+"""Mixture-of-Experts (``toolkit.experts``): the per-expert view of transformers' fused experts, calibration on routed
+or on every token, the round-to-nearest policy for experts routed too few tokens, routers kept in float and named in
+every format's list of unquantized modules, Mixtral's Hub block name, and streaming a MoE model layer by layer.
+
+Every family runs through every method and format in ``tests/test_family_matrix.py``; these are the MoE specifics."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import byte_tokenizer, tiny_model
+from toolkit.experts import ExpertLinears, every_token, unfuse_experts
+from toolkit.formats.checkpoint import read_tensors
+from toolkit.quant.configs import make_config
+from toolkit.quant.primitives import quantize_rtn
+from toolkit.quantize import CalibrationSpec, QuantizeSettings, quantize
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CALIBRATION = CalibrationSpec(samples=4, seq_len=32)
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    """model_type → a saved tiny MoE model (Hub per-expert names) with the byte tokenizer, made when first asked."""
+    made = {}
+
+    def directory(model_type):
+        if model_type not in made:
+            made[model_type] = tmp_path_factory.mktemp(model_type)
+            tiny_model(model_type, vocab=256).save_pretrained(made[model_type])
+            byte_tokenizer().save_pretrained(made[model_type])
+        return made[model_type]
+
+    return directory
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "qwen2_moe"])
+def test_unfused_experts_are_views_computing_the_same_function(model_type):
+    fused = tiny_model(model_type, vocab=256)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = fused(ids).logits
+    storage = {p.untyped_storage().data_ptr() for n, p in fused.named_parameters() if "experts" in n}
+    model = unfuse_experts(fused)
+    blocks = [m for m in model.modules() if isinstance(m, ExpertLinears)]
+    assert len(blocks) == sum(hasattr(layer.mlp, "experts") for layer in model.model.layers) > 0
+    # no copy: every expert linear is a view of the fused parameters
+    assert {p.untyped_storage().data_ptr() for n, p in model.named_parameters() if "experts" in n} == storage
+    with torch.no_grad():
+        got = model(ids).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_every_token_feeds_every_expert_all_tokens_and_keeps_the_routing():
+    model = unfuse_experts(tiny_model("mixtral", vocab=256))
+    block = model.model.layers[0].mlp
+    x = torch.randn(1, 10, 64, generator=torch.Generator().manual_seed(1))
+    rows = {}
+    hooks = [expert.w1.register_forward_pre_hook(lambda m, a, e=e: rows.__setitem__(e, a[0].shape[0]))
+             for e, expert in enumerate(block.experts)]
+    with torch.no_grad():
+        routed = block(x)
+        routed_rows = dict(rows)
+        rows.clear()
+        with every_token(block):
+            everyone = block(x)
+    for h in hooks:
+        h.remove()
+    assert sum(routed_rows.values()) == 10 * 2  # top-2 of 4: each token reaches two experts
+    assert rows == {e: 10 for e in range(4)}
+    torch.testing.assert_close(everyone, routed, rtol=0, atol=1e-6)
+    assert not block.experts.every_token  # restored
+
+
+def expert_codes_equal_rtn(directory, config) -> tuple[int, int]:
+    """(expert linears whose codes equal round-to-nearest of the float weights, expert linears) in a
+    compressed-tensors checkpoint quantized from ``directory``."""
+    from toolkit.runtime.load import load_quantized
+
+    float_model = unfuse_experts(tiny_model("mixtral", vocab=256))
+    quantized, _ = load_quantized(directory, backend="reference")
+    same = total = 0
+    for name, module in float_model.named_modules():
+        if ".experts." in name and isinstance(module, torch.nn.Linear):
+            total += 1
+            W = module.weight.data
+            expected = quantize_rtn(W, config.bits, config.group_size, config.sym).dequantize()
+            got = quantized.get_submodule(name).dequantized_weight()
+            same += torch.equal(got.float(), expected.float())
+    return same, total
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_experts_with_too_few_routed_tokens_are_rounded_to_nearest_and_listed(moe_dirs, tmp_path, method):
+    source = moe_dirs("mixtral")
+    settings = QuantizeSettings(format="compressed-tensors", dtype="float32")
+    starved = make_config(method, bits=4, group_size=32, sym=True, moe_min_tokens=10**6)
+    result = quantize(str(source), starved, tmp_path / "starved", CALIBRATION, settings)
+    report = json.loads((result.output / "compound.json").read_text())["experts"]
+    assert report["calibration"] == "routed" and result.experts == report
+    assert len(report["rounded_to_nearest"]) == 2 * 4  # every expert of both layers
+    assert sum(report["routed_tokens"].values()) == 2 * CALIBRATION.samples * CALIBRATION.seq_len * 2  # top-2
+    if method == "gptq":  # AWQ still folds its scales into the experts before rounding them
+        same, total = expert_codes_equal_rtn(result.output, starved)
+        assert same == total == 2 * 4 * 3
+
+    everyone = make_config(method, bits=4, group_size=32, sym=True, moe_min_tokens=10**6, moe_calibration="all")
+    result = quantize(str(source), everyone, tmp_path / "all", CALIBRATION, settings)
+    report = json.loads((result.output / "compound.json").read_text())["experts"]
+    assert report["calibration"] == "all" and report["rounded_to_nearest"] == []
+    if method == "gptq":
+        same, total = expert_codes_equal_rtn(result.output, everyone)
+        assert same < total / 2  # calibrated: most experts' codes differ from round-to-nearest
+
+
+def test_routers_stay_float_and_every_format_names_them(moe_dirs, tmp_path):
+    source = moe_dirs("qwen2_moe")  # a router and a shared expert's gate per sparse layer; layer 1 is dense
+    routers = ["model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate"]
+    for fmt, method in [("compressed-tensors", "rtn"), ("gptq", "rtn"), ("awq", "awq")]:
+        out = quantize(str(source), make_config(method, bits=4, group_size=32), tmp_path / fmt, CALIBRATION,
+                       QuantizeSettings(format=fmt, dtype="float32")).output
+        tensors = load_file(out / "model.safetensors")
+        for router in routers:
+            assert tensors[f"{router}.weight"].dtype == torch.float32, router
+        assert "model.layers.1.mlp.gate_proj.qweight" in tensors or "model.layers.1.mlp.gate_proj.weight_packed" in \
+            tensors  # the dense layer's gate_proj is quantized: no router entry catches it
+        quant = json.loads((out / "config.json").read_text())["quantization_config"]
+        if fmt == "compressed-tensors":
+            import re
+
+            for router in routers:
+                assert any(re.fullmatch(p.removeprefix("re:"), router) for p in quant["ignore"]), router
+            assert not any(re.fullmatch(p.removeprefix("re:"), "model.layers.1.mlp.gate_proj") for p in quant["ignore"])
+        elif fmt == "gptq":
+            import re
+
+            rules = [p.removeprefix("-:") for p in quant["dynamic"]]
+            assert all(any(re.match(r, router) for r in rules) for router in routers)
+            assert not any(re.match(r, "model.layers.1.mlp.gate_proj") for r in rules)
+        else:  # vLLM matches modules_to_not_convert as substrings
+            skipped = quant["modules_to_not_convert"]
+            assert all(any(s in router for s in skipped) for router in routers)
+            assert not any(s in "model.layers.1.mlp.gate_proj" for s in skipped)
+
+
+def test_mixtral_is_written_and_read_under_its_hub_block_name(moe_dirs, tmp_path):
+    from toolkit.runtime.load import load_quantized
+
+    out = quantize(str(moe_dirs("mixtral")), make_config("rtn", bits=4, group_size=32), tmp_path / "q",
+                   settings=QuantizeSettings(format="gptq", dtype="float32")).output
+    names = set(load_file(out / "model.safetensors"))
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.qweight" in names
+    assert "model.layers.0.block_sparse_moe.gate.weight" in names
+    assert not any(".mlp." in n for n in names)
+    model, _ = load_quantized(out, backend="reference")
+    assert type(model.model.layers[0].mlp.experts[3].w2).__name__ == "QuantLinear"
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+def test_a_streamed_moe_checkpoint_is_the_in_memory_one(moe_dirs, tmp_path, model_type):
+    config = make_config("gptq", bits=4, group_size=32)
+    source = str(moe_dirs(model_type))
+    in_memory = quantize(source, config, tmp_path / "memory", CALIBRATION).output
+    streamed = quantize(source, config, tmp_path / "streamed", CALIBRATION,
+                        settings=QuantizeSettings(stream=True)).output
+    expected, got = read_tensors(in_memory), read_tensors(streamed)
+    assert sorted(expected) == sorted(got)
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name

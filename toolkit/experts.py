@@ -1,0 +1,140 @@
+"""Mixture-of-Experts blocks with one ``nn.Linear`` per expert projection.
+
+transformers 5 holds a block's experts as two fused 3-D parameters (``gate_up_proj`` [E, 2I, H], ``down_proj``
+[E, H, I]) and converts from and to the Hub's per-expert tensors on load and save. compound quantizes each expert's
+projection as a linear of its own, so ``unfuse_experts`` replaces the fused module by ``ExpertLinears``: a list of
+``ExpertMLP`` (gate, up and down as ``nn.Linear``, named as the family's Hub checkpoints name them), over views of the
+same storage (no copy). Module paths then equal the Hub's tensor names (``mlp.experts.3.gate_proj``), except where the
+Hub names the block differently (Mixtral's ``block_sparse_moe``): ``hub_name`` and ``model_name`` map between the two.
+
+Routing is the model's own (its router module picks each token's experts and weights); ``ExpertLinears`` runs each
+expert on its routed tokens, in transformers' order of experts and slots, so outputs match the fused module's. For
+calibration, ``every_token`` makes every expert also read every other token (its statistics then cover all tokens,
+what llm-compressor calls calibrating all experts) while the block's output keeps the true routing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from toolkit.architectures import Experts, family
+
+
+class ExpertMLP(nn.Module):
+    """One expert: ``down(act(gate(x)) · up(x))``, its linears registered under the family's projection names."""
+
+    def __init__(self, projections: tuple[str, str, str], gate: nn.Linear, up: nn.Linear, down: nn.Linear, act):
+        super().__init__()
+        self.names = projections
+        for name, linear in zip(projections, (gate, up, down)):
+            self.add_module(name, linear)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (getattr(self, name) for name in self.names)
+        return down(self.act(gate(x)) * up(x))
+
+
+class ExpertLinears(nn.ModuleList):
+    """A block's experts as ``ExpertMLP`` modules, called like transformers' fused experts module:
+    ``(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) → [T, H]``.
+
+    every_token: each expert runs on all T tokens (each through a view of its own, so that tracing sees one input per
+    expert), and its output is kept only on the tokens routed to it."""
+
+    every_token: bool = False
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for e, expert in enumerate(self):
+            slot, token = torch.where((top_k_index == e).T)  # slot-major, as transformers orders them
+            if self.every_token:
+                y = expert(hidden_states.view_as(hidden_states))[token]
+            elif token.numel():
+                y = expert(hidden_states[token])
+            else:
+                continue
+            out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
+        return out
+
+
+def moe_layout(model: nn.Module) -> Experts | None:
+    """The ``Experts`` entry of ``model``'s family, None for a dense family."""
+    return family(model.config.model_type).experts
+
+
+def unfuse_experts(model: nn.Module) -> nn.Module:
+    """Replace every fused experts module of a MoE model by ``ExpertLinears`` over views of its parameters (meta
+    parameters stay meta); a dense model, or one already unfused, is returned as it is."""
+    layout = moe_layout(model)
+    if layout is None:
+        return model
+    for block in model.modules():
+        fused = getattr(block, "experts", None)
+        if isinstance(fused, nn.Module) and hasattr(fused, "gate_up_proj"):
+            block.experts = _unfused(fused, layout.projections)
+    return model
+
+
+def _unfused(fused: nn.Module, projections: tuple[str, str, str]) -> ExpertLinears:
+    gate_up, down = fused.gate_up_proj, fused.down_proj  # [E, 2I, H], [E, H, I]
+    inter = gate_up.shape[1] // 2
+    experts = []
+    for e in range(gate_up.shape[0]):
+        gate, up = _linear(gate_up[e, :inter]), _linear(gate_up[e, inter:])
+        experts.append(ExpertMLP(projections, gate, up, _linear(down[e]), fused.act_fn))
+    return ExpertLinears(experts)
+
+
+def _linear(weight: torch.Tensor) -> nn.Linear:
+    """A bias-free ``nn.Linear`` whose weight is ``weight`` itself (a view: no copy)."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta", dtype=weight.dtype)
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    return linear
+
+
+@contextlib.contextmanager
+def every_token(module: nn.Module, on: bool = True) -> Iterator[None]:
+    """While active, every ``ExpertLinears`` inside ``module`` runs each expert on every token (see the class)."""
+    blocks = [m for m in module.modules() if isinstance(m, ExpertLinears)]
+    before = [b.every_token for b in blocks]
+    for b in blocks:
+        b.every_token = on
+    try:
+        yield
+    finally:
+        for b, state in zip(blocks, before):
+            b.every_token = state
+
+
+def expert_index(name: str) -> int | None:
+    """The expert a linear belongs to (``mlp.experts.3.w1`` → 3), None for other linears."""
+    match = re.search(r"(?:^|\.)experts\.(\d+)\.", name)
+    return None if match is None else int(match.group(1))
+
+
+def hub_name(layout: Experts | None, name: str) -> str:
+    """A tensor's name on disk from its name in the model (``…layers.0.mlp.…`` → ``…layers.0.block_sparse_moe.…``
+    for Mixtral); unchanged for dense families and blocks the Hub names ``mlp``."""
+    if layout is None or layout.hub_block == "mlp":
+        return name
+    return re.sub(r"(^|\.)mlp\.", rf"\1{layout.hub_block}.", name, count=1)
+
+
+def model_name(layout: Experts | None, name: str) -> str:
+    """The inverse of ``hub_name``."""
+    if layout is None or layout.hub_block == "mlp":
+        return name
+    return re.sub(rf"(^|\.){re.escape(layout.hub_block)}\.", r"\1mlp.", name, count=1)
+
+
+def hub_tensors(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (full names in ``model``) under the names its family's Hub checkpoints use (``hub_name``)."""
+    layout = moe_layout(model)
+    return {hub_name(layout, name): t for name, t in tensors.items()}
