@@ -16,7 +16,12 @@ from typing import Iterable
 
 LINEAR_SUFFIXES = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "w1", "w2", "w3",  # Mixtral experts (benchmarks/moe.py)
 )
+# Mixture-of-Experts names in memory -> on disk: transformers 5 and the peers name a Mixtral block `mlp` and its
+# expert projections gate/up/down_proj, the Hub checkpoint `block_sparse_moe` and w1/w3/w2.
+_BLOCK_NAMES = (("mlp.", "block_sparse_moe."),)
+_EXPERT_PROJECTIONS = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
 
 
 def parse_args(tool: str) -> argparse.Namespace:
@@ -109,6 +114,7 @@ def save_dense(float_model_dir: Path, state: dict, out_dir: Path, dtype: str) ->
     for f in sorted(float_model_dir.glob("*.safetensors")):
         base.update(load_file(str(f)))
     tdtype = getattr(torch, dtype)
+    state = checkpoint_names(state, base)
     missing = [k for k in state if k not in base]
     if missing:
         raise SystemExit(f"dequantized tensors not in the float checkpoint: {missing[:5]}")
@@ -121,6 +127,38 @@ def save_dense(float_model_dir: Path, state: dict, out_dir: Path, dtype: str) ->
     shutil.copy2(float_model_dir / "config.json", out_dir / "config.json")
     clean_config_dir(out_dir, dtype)
     copy_tokenizer(float_model_dir, out_dir)
+
+
+def checkpoint_names(state: dict, base: dict) -> dict:
+    """``state`` under the float checkpoint's tensor names: a MoE tool's in-memory names (``mlp.experts.3.gate_proj``,
+    ``mlp.gate``) mapped to the Hub's (``block_sparse_moe.experts.3.w1``, ``block_sparse_moe.gate``), and transformers
+    5's fused experts (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]) split per expert. A name
+    already in ``base``, or with no match, is kept as it is (save_dense then reports it)."""
+    import re
+
+    def candidates(k: str):
+        for old, new in _BLOCK_NAMES:
+            yield k.replace(f".{old}", f".{new}", 1)
+        for old, new in _EXPERT_PROJECTIONS:
+            for name in (k, *(k.replace(f".{a}", f".{b}", 1) for a, b in _BLOCK_NAMES)):
+                yield re.sub(rf"(\.experts\.\d+\.){old}\.", rf"\g<1>{new}.", name)
+
+    out = {}
+    for k, v in state.items():
+        fused = re.fullmatch(r"(.*)\.experts\.(gate_up_proj|down_proj)", k)
+        if k not in base and fused is not None and v.dim() == 3:
+            prefix, which = fused.groups()
+            for e in range(v.shape[0]):
+                if which == "gate_up_proj":  # [E, 2I, H]: gate rows then up rows
+                    gate, up = v[e].chunk(2, dim=0)
+                    parts = {"gate_proj": gate, "up_proj": up}
+                else:
+                    parts = {"down_proj": v[e]}
+                for proj, t in parts.items():
+                    out.update(checkpoint_names({f"{prefix}.experts.{e}.{proj}.weight": t}, base))
+            continue
+        out[k if k in base else next((c for c in candidates(k) if c in base), k)] = v
+    return out
 
 
 def grid_check(dense_dir: Path, float_dir: Path, bits: int, group_size: int,
