@@ -1,6 +1,7 @@
 """Mixture-of-Experts (``toolkit.experts``): the per-expert view of transformers' fused experts, calibration on routed
 or on every token, the round-to-nearest policy for experts routed too few tokens, routers kept in float and named in
-every format's list of unquantized modules, Mixtral's Hub block name, and streaming a MoE model layer by layer.
+every format's list of unquantized modules, Mixtral's Hub block name, streaming a MoE model layer by layer, and
+compressed-tensors' own decompressor reproducing every expert's weights bit for bit.
 
 Every family runs through every method and format in ``tests/test_family_matrix.py``; these are the MoE specifics."""
 
@@ -170,3 +171,20 @@ def test_a_streamed_moe_checkpoint_is_the_in_memory_one(moe_dirs, tmp_path, mode
     assert sorted(expected) == sorted(got)
     for name in expected:
         assert torch.equal(expected[name], got[name]), name
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_compressed_tensors_decompressor_reproduces_every_expert_bit_exactly(moe_dirs, tmp_path, sym):
+    from test_family_matrix import compressed_tensors_weights
+
+    from toolkit.runtime.load import load_quantized
+
+    out = quantize(str(moe_dirs("qwen2_moe")), make_config("gptq", bits=4, group_size=32, sym=sym), tmp_path / "q",
+                   CALIBRATION, QuantizeSettings(format="compressed-tensors", dtype="float16")).output
+    quant = json.loads((out / "config.json").read_text())["quantization_config"]
+    theirs = compressed_tensors_weights(load_file(out / "model.safetensors"), quant)
+    ours, _ = load_quantized(out, backend="reference")
+    experts = [name for name in theirs if ".experts." in name]
+    assert len(experts) == 4 * 3  # layer 0's experts (layer 1 is dense)
+    for name, weight in theirs.items():
+        assert torch.equal(ours.get_submodule(name).dequantized_weight().float(), weight.float()), name
