@@ -234,8 +234,9 @@ def main() -> None:
     table = markdown_table(columns, rows)
     base_ppl = raw[0]["base_perplexity"] if raw else float("nan")
     left = [m for m in ("rtn", "gptq", "awq", "awq+gptq") if m not in methods]
-    skipped = [f"- not in this run's `--methods`: {', '.join(left)} (`python benchmarks/moe.py --methods "
-               f"{','.join(left)} --samples {args.samples} --windows {args.windows}` adds them)"] if left else []
+    skipped = [f"- not in this run's `--methods`: {', '.join(left)} (`python benchmarks/moe.py --samples "
+               f"{args.samples} --windows {args.windows} --reuse` runs them and keeps the finished runs above)"]
+    skipped = skipped if left else []
     body = (
         f"Command: `python benchmarks/moe.py --methods {args.methods} --calibration {args.calibration or repr('')} "
         f"--peers {args.peers or repr('')} --samples {args.samples} --seq-len {args.seq_len} --windows {args.windows}"
@@ -245,8 +246,8 @@ def main() -> None:
         "Mixtral's renormalised routing, and a seeded random router per layer (Gaussian rows orthogonal to the "
         "layer's mean normalised hidden state, scaled to logit std 1, so different experts win on different tokens). "
         "Attention, norms, embeddings and config values are SmolLM2's; the float model's logits equal SmolLM2's "
-        "within 1e-4 (`tests/test_moe_upcycle.py`). 375M parameters in float32, 30 MoE layers × 4 experts = 120 "
-        "experts.\n\n"
+        "within 1e-4 (`tests/test_moe_upcycle.py`). 373M parameters in float32 (SmolLM2's 134.5M plus three more "
+        "copies of every MLP), 30 MoE layers × 4 experts = 120 experts.\n\n"
         f"W4 g64 asymmetric for every method and tool (RTN too); GPTQ with act-order (static groups) for every tool. "
         f"{args.samples}×{args.seq_len} ShareGPT calibration tokens (the same tensor for every tool: compound's "
         f"fingerprint checked), {args.windows}×{args.seq_len} held-out windows ({raw[0]['tokens'] if raw else 0} "
@@ -255,7 +256,9 @@ def main() -> None:
         "wall times and RSS measured beside other work (two other engineers' tests and builds shared the 2 cores), "
         "so they are not quiet timings. Tokens per expert: calibration tokens routed to each of the 120 experts "
         "(under `all` every expert also reads every other token for its statistics; the counts are the routed "
-        "ones).\n\n"
+        "ones). Peers at their MoE defaults: llm-compressor linearizes transformers' fused experts itself and "
+        "calibrates every expert on every token (`moe_calibrate_all_experts=True`, like compound's `all`); GPTQModel "
+        "(`moe=None`) calibrates each expert on the tokens routed to it (like `routed`).\n\n"
         f"{table}\n\n" + "\n".join(findings(raw) + failures + skipped) + "\n\n"
         + (args.note + "\n\n" if args.note else "") +
         "Caveat: SmolLM2's weights come from a Q4_1 GGUF file (asymmetric 4-bit, groups of 32), so asymmetric RTN at "
