@@ -99,7 +99,8 @@ class LayerSession:
         cfg, results = self.config, {}
         for name in sorted(self.sparse):
             linear = self.linears[name]
-            results[name] = quantize_rtn(linear.weight.data, cfg.bits, cfg.group_size, cfg.sym, linear.bias)
+            results[name] = quantize_rtn(linear.weight.data, cfg.bits, cfg.group_size, cfg.sym, linear.bias,
+                                         cfg.scale_rule)
             linear.weight.data.copy_(results[name].dequantize().to(linear.weight.dtype))
         return results
 
