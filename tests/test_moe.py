@@ -188,3 +188,15 @@ def test_compressed_tensors_decompressor_reproduces_every_expert_bit_exactly(moe
     assert len(experts) == 4 * 3  # layer 0's experts (layer 1 is dense)
     for name, weight in theirs.items():
         assert torch.equal(ours.get_submodule(name).dequantized_weight().float(), weight.float()), name
+
+
+def test_a_negative_min_tokens_is_refused_naming_the_flag(moe_dirs, runs):
+    from typer.testing import CliRunner
+
+    from conftest import refused
+    from toolkit.cli import app
+
+    result = CliRunner().invoke(app, ["quantize", "--model", str(moe_dirs("mixtral")), "--moe-min-tokens", "-1",
+                                      "--output", str(runs / "q")])
+    refused(result, "--moe-min-tokens must be 0 or more, got -1")
+    assert list(runs.iterdir()) == []

@@ -81,7 +81,7 @@ class WeightQuantConfig:
         if self.group_size is not None and self.group_size not in SUPPORTED_GROUP_SIZES:
             raise ConfigError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {self.group_size}")
         if self.moe_min_tokens < 0:
-            raise ConfigError(f"moe_min_tokens must be >= 0, got {self.moe_min_tokens}")
+            raise ConfigError(f"--moe-min-tokens must be 0 or more, got {self.moe_min_tokens}")
         if self.act_order and not self.reorders_columns:
             raise ConfigError(f"act_order is a GPTQ option; method {self.method!r} has none "
                               f"(use {' or '.join(methods_that('reorders_columns'))})")
