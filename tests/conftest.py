@@ -5,6 +5,15 @@ default of one thread per core would oversubscribe the cores, and OpenMP then st
 
 import os
 import re
+import sys
+from pathlib import Path
+
+# `python -m pytest` puts the working directory first on sys.path; from the repository root, the source folder
+# `kernels/` (installed as `toolkit.kernels`) would then shadow the PyPI package `kernels` that transformers imports
+# when it is installed (a dependency of transformers 5.25).
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != REPO]
+os.environ["PYTHONSAFEPATH"] = "1"  # the same for every `python -c` / `-m` the tests start
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"  # before torch is imported; inherited by the CLI and vLLM subprocesses

@@ -146,7 +146,7 @@ def test_cli_trains_and_validates_eagle_heads(tiny_llama_dir, tmp_path, one_thre
             "--max-len", "96", "--distill-tokens", "6", "--dtype", "float32", "--steps", "2", "--batch-size", "2",
             "--micro-batch-size", "1", "--eval-every", "2", "--save-every", "2", "--eval-prompts", "1",
             "--eval-tokens", "4", "--depth", "3", "--top-k", "2", "--draft-tokens", "4", "--ttt-steps", "2",
-            "--draft-vocab", "300"]
+            "--draft-vocab", "300", *(["--loss", "ce"] if head == "eagle" else [])]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     loaded = load_eagle(out)
@@ -159,7 +159,7 @@ def test_cli_trains_and_validates_eagle_heads(tiny_llama_dir, tmp_path, one_thre
         assert "draft vocabulary: 300" in result.output
         assert (work / "hidden-1-final" / "index.json").exists()
     else:
-        assert (work / "hidden" / "index.json").exists()
+        assert (work / "hidden" / "index.json").exists() and (work / "train-eagle-ce").is_dir()  # --loss ce
     checked = CliRunner().invoke(app, ["validate", "--model", str(tiny_llama_dir), "--heads", str(out),
                                        "--prompts", "1", "--max-new-tokens", "6", "--json", str(tmp_path / "v.json")])
     assert checked.exit_code == 0, checked.output

@@ -100,11 +100,12 @@ class HeadsJob:
     def train_dir(self) -> Path:
         """Training state of this head shape: runs of other shapes can share the work directory's data."""
         eagle, medusa = self.eagle, self.medusa
+        loss = "" if eagle.loss == "kl" else f"-{eagle.loss}"  # kl: the directory names of earlier runs
         if self.head == "eagle":
-            return self.work / "train-eagle"
+            return self.work / f"train-eagle{loss}"
         if self.head == "eagle3":
             layers = "-".join(map(str, eagle.aux_layers)) if eagle.aux_layers else "default"
-            return self.work / f"train-eagle3-l{layers}-v{eagle.draft_vocab}-s{eagle.ttt_steps}"
+            return self.work / f"train-eagle3-l{layers}-v{eagle.draft_vocab}-s{eagle.ttt_steps}{loss}"
         output = "shared" if medusa.shared_lm_head else "own"
         return self.work / f"train-{self.head}-k{medusa.num_heads}-l{medusa.num_layers}-{output}"
 
@@ -331,7 +332,7 @@ def _head_for(job: HeadsJob, target, examples, console: Console | None):
     if job.head == "eagle":
         head = EagleHead.from_target(target, "eagle")
         return head, lambda model, batch: eagle_loss(model, batch["hidden"], batch["input_ids"],
-                                                     batch["loss_mask"]), count_fn, measure
+                                                     batch["loss_mask"], loss=eagle.loss), count_fn, measure
     V = target.get_output_embeddings().weight.shape[0]
     vocab, covered = draft_vocabulary([e.input_ids[e.loss_mask] for e in examples], V, eagle.draft_vocab)
     if console is not None:
@@ -341,7 +342,8 @@ def _head_for(job: HeadsJob, target, examples, console: Console | None):
     lm_head = target.get_output_embeddings().weight
 
     def loss_fn(model, batch):
-        return eagle3_loss(model, batch["hidden"], batch["input_ids"], batch["loss_mask"], lm_head, eagle.ttt_steps)
+        return eagle3_loss(model, batch["hidden"], batch["input_ids"], batch["loss_mask"], lm_head, eagle.ttt_steps,
+                           loss=eagle.loss)
 
     in_vocab = head.t2d.detach().cpu()  # count_fn sees the batches before they move to the training device
 

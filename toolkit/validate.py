@@ -272,13 +272,18 @@ def _triton_path(directory: Path, model, tokens: torch.Tensor, layers: int | Non
     return _compare("triton", got, reference, which, TRITON_TOLERANCE, f"{note}; other layers on the reference")
 
 
+# A `python -c` child puts its working directory first on sys.path; in compound's source tree, the folder `kernels/`
+# would then shadow the PyPI package `kernels` that transformers imports (Python 3.11+ honours this variable).
+SAFE_PATH = {"PYTHONSAFEPATH": "1"}
+
+
 def _interpreted_triton_logits(directory: Path, tokens: torch.Tensor, layers: int) -> torch.Tensor:
     with tempfile.TemporaryDirectory() as tmp:
         tokens_path, logits_path = Path(tmp) / "tokens.pt", Path(tmp) / "logits.pt"
         torch.save(tokens, tokens_path)
         code = "import sys; from toolkit.validate import _triton_child; _triton_child(*sys.argv[1:])"
         proc = subprocess.run([sys.executable, "-c", code, str(directory), str(tokens_path), str(layers), str(logits_path)],
-                              env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True)
+                              env={**os.environ, "TRITON_INTERPRET": "1", **SAFE_PATH}, capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(f"the Triton interpreter run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
         return torch.load(logits_path, weights_only=True)

@@ -17,6 +17,7 @@ from toolkit.heads.eagle import (
     eagle3_loss,
     eagle3_step_outputs,
     eagle_loss,
+    token_loss,
 )
 from toolkit.heads.eagle_draft import EagleDrafter, TreeShape, _Tree, eagle_decoder
 from toolkit.heads.hidden_states import target_hidden_states
@@ -131,6 +132,33 @@ def test_eagle3_loss_counts_and_vocabulary(target):
     _, count, metrics = eagle3_loss(head, hidden, ids, mask, target.lm_head.weight, steps=2)
     assert count == int((ids[0, 2:] % 2 == 0).sum()) == metrics["count_0"]
     assert metrics["count_1"] == int((ids[0, 3:] % 2 == 0).sum())
+
+
+def test_token_losses_against_their_definitions():
+    """kl = sum of KL(target || draft) (0 for identical logits, torch's kl_div otherwise); ce = cross-entropy on the
+    target's argmax token."""
+    generator = torch.Generator().manual_seed(3)
+    draft, target_logits = torch.randn(6, 11, generator=generator), torch.randn(6, 11, generator=generator)
+    expected_kl = torch.nn.functional.kl_div(draft.log_softmax(-1), target_logits.log_softmax(-1), log_target=True,
+                                             reduction="sum")
+    torch.testing.assert_close(token_loss(draft, target_logits, "kl"), expected_kl)
+    assert float(token_loss(target_logits, target_logits, "kl")) == pytest.approx(0, abs=1e-6)
+    expected_ce = torch.nn.functional.cross_entropy(draft, target_logits.argmax(-1), reduction="sum")
+    torch.testing.assert_close(token_loss(draft, target_logits, "ce"), expected_ce)
+    with pytest.raises(ValueError, match="--loss must be one of kl, ce"):
+        token_loss(draft, target_logits, "mse")
+
+
+def test_eagle3_loss_kind_changes_only_the_token_loss(target):
+    """eagle3_loss with ce counts the same labels and agrees with kl on which drafts are correct."""
+    head = _head(target, "eagle3")
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(1, 16, dtype=torch.bool)
+    hidden = target_hidden_states(target, ids, list(head.config.aux_layers) + [-1])
+    kl, count_kl, metrics_kl = eagle3_loss(head, hidden, ids, mask, target.lm_head.weight, steps=2, loss="kl")
+    ce, count_ce, metrics_ce = eagle3_loss(head, hidden, ids, mask, target.lm_head.weight, steps=2, loss="ce")
+    assert count_kl == count_ce and metrics_kl["correct_0"] == metrics_ce["correct_0"]
+    assert float(kl) != pytest.approx(float(ce))
 
 
 def test_eagle_loss_feature_regression_is_zero_for_a_perfect_prediction(target):

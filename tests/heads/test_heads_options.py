@@ -29,6 +29,7 @@ def test_every_option_has_help_and_a_unique_name():
 @pytest.mark.parametrize("make, message", [
     (lambda: MedusaOptions(num_heads=0), "Medusa needs num_heads >= 1 and num_layers >= 1, got 0, 1"),
     (lambda: MedusaOptions(layout="hf"), "unknown Medusa layout 'hf'; choose one of vllm, medusa"),
+    (lambda: EagleOptions(loss="mse"), "--loss must be one of kl, ce, got 'mse'"),
     (lambda: EagleOptions(top_k=0), "--draft-vocab, --ttt-steps, --depth, --top-k and --draft-tokens must be >= 1"),
     (lambda: DataOptions(samples=0), "need --samples >= 1 and --max-len >= 8, got 0 and 1024"),
     (lambda: DataOptions(dtype="int8"), "--dtype must be bfloat16, float16 or float32, got 'int8'"),
@@ -50,6 +51,8 @@ def test_job_reads_its_parts():
     job = HeadsJob(model="m", output=Path("out/h"), head="eagle3", eagle=eagle)
     assert job.work == Path("out/h.work") and job.train_dir == Path("out/h.work/train-eagle3-l2-5-v300-s2")
     assert job.hidden_layers(8) == [2, 5, -1] and job.tree == TreeShape(3, 2, 4)
+    ce = HeadsJob(model="m", output=Path("out/h"), head="eagle3", eagle=EagleOptions(draft_vocab=300, loss="ce"))
+    assert ce.train_dir.name == "train-eagle3-ldefault-v300-s5-ce"  # a kl run never resumes a ce one
     assert HeadsJob(model="m", output=Path("o"), head="eagle", eagle=eagle,
                     select=SelectOptions(select_mode="chain")).tree == TreeShape(3)
     medusa = HeadsJob(model="m", output=Path("o"), medusa=MedusaOptions(num_heads=2, shared_lm_head=True))

@@ -5,8 +5,8 @@ Two kinds (``EagleConfig.kind``), both a Llama decoder layer (``midlayer``) over
 * ``eagle`` (EAGLE-1, arXiv 2401.15077; EAGLE-2 drafts with the same weights in a dynamic tree): the pair (final-norm
   hidden state f_t of token t, embedding of token t + 1) is fused by ``fc`` [H, 2H] (concat order: embedding, feature)
   and run through the layer (no input norm), which predicts f_{t+1}; the logits are the target's ``lm_head(f̂)``.
-  Loss: smooth-L1 regression of f̂ onto f_{t+1} plus ``p_weight`` × cross-entropy against the target's distribution
-  ``softmax(lm_head(f_{t+1}))``; uniform noise on the input features (``noise`` × each token's RMS).
+  Loss: smooth-L1 regression of f̂ onto f_{t+1} plus ``p_weight`` × the token loss (``token_loss``: KL against the
+  target's distribution ``softmax(lm_head(f_{t+1}))``, or cross-entropy on its argmax); uniform noise on the input features (``noise`` × each token's RMS).
 * ``eagle3`` (EAGLE-3, arXiv 2503.01840): ``fc`` [H, n·H] fuses the residual streams entering ``aux_layers`` of the
   target (transformers' ``hidden_states[i]``, which is vLLM's id i); the layer's attention reads
   concat(input_layernorm(embedding), hidden_norm(h)) [2H] with residual h; the logits are ``lm_head(norm(out))`` over
@@ -35,6 +35,9 @@ from toolkit.architectures import UnsupportedFamily, family
 from toolkit.decode.model import apply_rope, rope_frequencies
 
 KINDS = ("eagle", "eagle3")
+# The token loss against the target: "kl", forward KL(target || draft) over the draft vocabulary (soft labels, the
+# default of speculators); "ce", cross-entropy on the target's own greedy token (hard labels).
+LOSSES = ("kl", "ce")
 
 
 @dataclass(frozen=True)
@@ -347,17 +350,31 @@ def eagle3_step_outputs(head: EagleHead, features: torch.Tensor, input_ids: torc
     return outputs
 
 
-def _target_probs(final: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """softmax over the rows of ``weight`` of the target's logits ``final @ weight.T``, in float32, no gradient."""
+def token_loss(logits: torch.Tensor, target_logits: torch.Tensor, loss: str = "kl") -> torch.Tensor:
+    """The summed token loss of draft ``logits`` [N, V] against the target's logits [N, V] (no gradient reaches the
+    target): ``"kl"`` = sum of KL(softmax(target) || softmax(draft)); ``"ce"`` = cross-entropy on the target's
+    argmax token. Both in float32."""
+    if loss not in LOSSES:
+        raise ValueError(f"--loss must be one of {', '.join(LOSSES)}, got {loss!r}")
+    log_q = logits.float().log_softmax(-1)
+    target = target_logits.detach().float()
+    if loss == "ce":
+        return F.nll_loss(log_q, target.argmax(-1), reduction="sum")
+    log_p = target.log_softmax(-1)
+    return (log_p.exp() * (log_p - log_q)).sum()
+
+
+def _target_logits(final: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The target's logits ``final @ weight.T`` over the rows of ``weight``, no gradient."""
     with torch.no_grad():
-        return F.linear(final.to(weight.dtype), weight).float().softmax(-1)
+        return F.linear(final.to(weight.dtype), weight)
 
 
 def eagle3_loss(head: EagleHead, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                target_lm_head: torch.Tensor, steps: int = 4,
-                decay: float = 0.8) -> tuple[torch.Tensor, int, dict[str, float]]:
+                target_lm_head: torch.Tensor, steps: int = 4, decay: float = 0.8,
+                loss: str = "kl") -> tuple[torch.Tensor, int, dict[str, float]]:
     """The training-time-test loss of one padded batch: sum over steps k of ``decay ** k`` × the summed
-    cross-entropy of step k against the target's distribution over the draft vocabulary.
+    ``token_loss`` (``loss``) of step k against the target's distribution over the draft vocabulary.
 
     hidden: [B, T, n_aux + 1, H], the aux layers then the final-norm state (what the target's ``lm_head`` reads);
     target_lm_head: [V, H]. A label counts where ``loss_mask`` marks it and it is in the draft vocabulary. Returns
@@ -383,19 +400,20 @@ def eagle3_loss(head: EagleHead, hidden: torch.Tensor, input_ids: torch.Tensor, 
         if count == 0:
             continue
         logits = head.logits(out[:, :-shift][mask]).float()
-        target = _target_probs(final[:, shift - 1:-1][mask], draft_weight)  # the target at t + 1 + k
-        loss = -(target * logits.log_softmax(-1)).sum()
-        total = total + decay**k * loss
-        metrics[f"loss_{k}"] = float(loss.detach())
+        target = _target_logits(final[:, shift - 1:-1][mask], draft_weight)  # the target at t + 1 + k
+        step_loss = token_loss(logits, target, loss)
+        total = total + decay**k * step_loss
+        metrics[f"loss_{k}"] = float(step_loss.detach())
         metrics[f"correct_{k}"] = float((logits.detach().argmax(-1) == target.argmax(-1)).sum())
         metrics[f"count_{k}"] = float(count)
     return total, count0, metrics
 
 
 def eagle_loss(head: EagleHead, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-               p_weight: float = 0.1, noise: float = 0.1) -> tuple[torch.Tensor, int, dict[str, float]]:
+               p_weight: float = 0.1, noise: float = 0.1,
+               loss: str = "kl") -> tuple[torch.Tensor, int, dict[str, float]]:
     """EAGLE-1's loss on one padded batch: per label token, smooth-L1 (mean over H) of the predicted next feature
-    plus ``p_weight`` × cross-entropy against the target's next-token distribution; summed.
+    plus ``p_weight`` × the ``token_loss`` (``loss``) against the target's next-token distribution; summed.
 
     hidden: [B, T, H] final-norm states. Pair t (feature t, token t + 1) predicts feature t + 1 and token t + 2; it
     counts where ``loss_mask[t + 2]``. Returns (loss sum, label count = ``loss_mask[:, 2:].sum()``, metrics
@@ -418,11 +436,11 @@ def eagle_loss(head: EagleHead, hidden: torch.Tensor, input_ids: torch.Tensor, l
     actual = hidden[:, 1:-1][mask].to(dtype)
     feature_loss = F.smooth_l1_loss(predicted.float(), actual.float(), reduction="none").mean(-1).sum()
     logits = head.logits(predicted).float()
-    target = _target_probs(actual, head.target_lm_head)
-    token_loss = -(target * logits.log_softmax(-1)).sum()
-    metrics = {"loss_feature": float(feature_loss.detach()), "loss_token": float(token_loss.detach()),
+    target = _target_logits(actual, head.target_lm_head)
+    tokens_loss = token_loss(logits, target, loss)
+    metrics = {"loss_feature": float(feature_loss.detach()), "loss_token": float(tokens_loss.detach()),
                "correct_0": float((logits.detach().argmax(-1) == target.argmax(-1)).sum()), "count_0": float(count)}
-    return feature_loss + p_weight * token_loss, count, metrics
+    return feature_loss + p_weight * tokens_loss, count, metrics
 
 
 def draft_vocabulary(label_ids: Sequence[torch.Tensor], vocab_size: int, size: int) -> tuple[torch.Tensor, float]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from toolkit.heads.eagle import LOSSES
 from toolkit.heads.eagle_draft import TreeShape
 from toolkit.heads.medusa import check_medusa_shape
 from toolkit.heads.medusa_export import LAYOUTS, check_layout
@@ -50,11 +51,14 @@ class EagleOptions:
     draft_vocab: int = option(32000, "eagle3: draft vocabulary size, the most frequent trained tokens (at most the "
                               "target's vocabulary).")
     ttt_steps: int = option(5, "eagle3: unrolled draft steps of the training-time test.")
+    loss: str = option("kl", "EAGLE: token loss: kl (forward KL against the target's distribution over the draft "
+                       "vocabulary) | ce (cross-entropy on the target's greedy token).", choices=LOSSES)
     depth: int = option(5, "EAGLE: draft steps (tree depth; chain length in --select-mode chain).")
     top_k: int = option(4, "EAGLE: children per expanded node of the EAGLE-2 dynamic tree.")
     draft_tokens: int = option(8, "EAGLE: tree nodes verified per step.")
 
     def __post_init__(self):
+        check_choices(self)  # "--loss must be one of kl, ce, got ..."
         if min(self.draft_vocab, self.ttt_steps, self.depth, self.top_k, self.draft_tokens) < 1:
             raise ValueError("--draft-vocab, --ttt-steps, --depth, --top-k and --draft-tokens must be >= 1, got "
                              f"{self.draft_vocab}, {self.ttt_steps}, {self.depth}, {self.top_k}, {self.draft_tokens}")
