@@ -23,7 +23,10 @@ Loaders run in the venvs of ``scripts/setup_gptqmodel.sh`` (``tests/integration/
 
 Tolerances: peers compute in fp16/bf16 (compound in fp32): mean |Δ logit| ≤ 3 % of the mean |logit| and top-1
 agreement ≥ 90 %; against compound's logits of the *other* checkpoint (same model, other method) the same peer
-logits must be at least twice as far (the negative control).
+logits must be at least twice as far (the negative control). vLLM's mean NLL (float16) must lie within compound's
+own float16-vs-float32 difference on the same checkpoint plus ``NLL_TOLERANCE`` of compound's float32 NLL (measured
+on an AMX Xeon: the spread models' NLL is ~26 nats, where float16 alone moves compound's by up to 0.08), and
+farther than that from compound's NLL of the other checkpoint (the negative control).
 """
 
 import json
@@ -153,7 +156,11 @@ def test_vllm_scores_compounds_moe_checkpoint_like_compound(model_type, checkpoi
             pytest.skip(f"vLLM CPU has no W4 MoE kernel on this CPU: {line.strip()}")
     assert run.returncode == 0, run.stderr[-6000:]
     theirs = json.loads(run.stdout.strip().splitlines()[-1])["nll"]
-    model, _ = load_quantized(checkpoint, dtype=torch.float32)
-    ours = perplexity(model, torch.tensor(json.loads(checkpoints["windows"].read_text()))).nll
-    print(f"\n{model_type} gptq: compound fp32 NLL {ours:.5f} | vLLM float16 NLL {theirs:.5f}")
-    assert abs(theirs - ours) <= NLL_TOLERANCE
+    windows = torch.tensor(json.loads(checkpoints["windows"].read_text()))
+    ours, ours16, other = (perplexity(load_quantized(checkpoints[model_type, layout], dtype=dtype)[0], windows).nll
+                           for layout, dtype in (("gptq", torch.float32), ("gptq", torch.float16),
+                                                 ("awq", torch.float32)))
+    tolerance = abs(ours16 - ours) + NLL_TOLERANCE
+    print(f"\n{model_type} gptq: compound fp32 NLL {ours:.5f} (fp16 {ours16:.5f}) | vLLM float16 NLL {theirs:.5f} | "
+          f"compound's awq checkpoint {other:.5f}")
+    assert abs(theirs - ours) <= tolerance < abs(theirs - other)

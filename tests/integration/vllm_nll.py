@@ -28,8 +28,10 @@ import json
 import math
 import re
 import sys
+from pathlib import Path
 
-from vllm_env import configure  # tests/integration, beside this script
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # beside this script, also under PYTHONSAFEPATH (conftest)
+from vllm_env import configure  # noqa: E402
 
 configure()  # before vllm is imported
 
