@@ -19,7 +19,8 @@ Phases, each resumable by rerunning the same command (the work directory ``<outp
    heads draft for the float32 target in compound's decode loop on ``eval_prompts`` held-out prompts, and the best by
    mean accepted length (``select_mode`` tree or chain; EAGLE-3's peaks before its loss stops falling) is kept;
 4. export: the best heads in ``layout`` (Medusa: vLLM or original; EAGLE: ``toolkit.heads.eagle_export``) with a
-   manifest naming the target and its hash.
+   manifest naming the target and its hash; EAGLE-3 also in the speculators layout in ``<output>/speculators``
+   (``toolkit.heads.speculators_export``) when vLLM can load the target.
 
 Every option is checked against the target's config (``check_job``) before any of this, ``--dry-run`` included. A
 rerun reuses a piece of the work directory only when it was made for the same target weights, ``dtype`` and answers
@@ -301,6 +302,19 @@ def train_heads(job: HeadsJob, console: Console, dry_run: bool = False) -> Heads
         export_eagle(heads, job.output, target=job.model, target_sha256=sha256, overwrite=job.overwrite,
                      extra_manifest=extra)
         load_eagle(job.output)
+        if job.head == "eagle3":  # and the layout `vllm serve OUTPUT/speculators` serves without flags
+            from toolkit.heads.speculators_export import SUBDIR, export_speculators, vllm_verifier
+
+            try:
+                verifier = vllm_verifier(job.model)
+            except ValueError as err:
+                console.print(f"no speculators layout: {err}")
+            else:
+                export_speculators(heads, job.output / SUBDIR, verifier=verifier,
+                                   verifier_architectures=target.config.architectures or [],
+                                   speculative_tokens=job.eagle.depth, target=job.model, target_sha256=sha256,
+                                   extra_manifest=extra)
+                load_eagle(job.output / SUBDIR)
     seconds = {"data_and_hidden_states": prepared - started, "training": trained_at - prepared,
                "total": time.perf_counter() - started}
     write_text_atomic(job.train_dir / "timings.json", json.dumps(seconds, indent=1))

@@ -64,13 +64,18 @@ def result_table(title: str, result) -> Table:
 
 
 def _print_eagle_serving(output: Path, tree) -> None:
-    """The flags that serve an exported EAGLE head: vLLM's chain of the tree's depth, SGLang's chain and ``tree``."""
+    """The flags that serve an exported EAGLE head: vLLM's chain of the tree's depth (and the speculators layout,
+    when written, that names its target itself), SGLang's chain and ``tree``."""
     from toolkit.heads.eagle_export import serving_flags
+    from toolkit.heads.speculators_export import SUBDIR
 
     flags = serving_flags(output, str(output), tree.depth, tree)
     out = Console()
     out.print(f"serve it with vLLM (chain of {tree.depth}):")
     out.print(f"  vllm serve TARGET {flags['vllm']}", soft_wrap=True, markup=False, highlight=False)
+    if (output / SUBDIR).is_dir():
+        out.print(f"  vllm serve {output / SUBDIR}   # the same; its config names the target and chain",
+                  soft_wrap=True, markup=False, highlight=False)
     if "sglang" in flags:
         out.print("with SGLang (chain, then the EAGLE-2 tree it was selected with):")
         for line in (flags["sglang"], flags["sglang_tree"]):

@@ -110,10 +110,12 @@ def _kind(tensor: torch.Tensor) -> str:
     return "float" if tensor.is_floating_point() else str(tensor.dtype).removeprefix("torch.")
 
 
-def check_eagle_tensors(tensors: dict[str, torch.Tensor], config: EagleConfig) -> None:
+def check_eagle_tensors(tensors: dict[str, torch.Tensor], config: EagleConfig, expected: dict | None = None,
+                        layout: str | None = None) -> None:
     """Raise ValueError listing the missing, unexpected, mis-shaped and mis-typed tensors of ``tensors``, or a
-    ``d2t``/``t2d`` pair that does not describe one draft vocabulary."""
-    expected = expected_eagle_tensors(config)
+    ``d2t``/``t2d`` pair that does not describe one draft vocabulary. ``expected``: another layout's table (default
+    ``expected_eagle_tensors(config)``), named ``layout`` in the error."""
+    expected = expected_eagle_tensors(config) if expected is None else expected
     missing = sorted(expected.keys() - tensors.keys())
     unexpected = sorted(tensors.keys() - expected.keys())
     misshaped = [f"{name} {list(tensors[name].shape)} (expected {list(shape)})"
@@ -124,8 +126,8 @@ def check_eagle_tensors(tensors: dict[str, torch.Tensor], config: EagleConfig) -
                 (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped),
                  ("mis-typed", mistyped)) if items]
     if problems:
-        raise ValueError(f"EAGLE tensors do not match the {config.kind!r} layout for {config} (an engine would skip "
-                         "them silently and accept ~1 token per step): " + "; ".join(problems))
+        raise ValueError(f"EAGLE tensors do not match the {layout or repr(config.kind)} layout for {config} (an "
+                         "engine would skip them silently and accept ~1 token per step): " + "; ".join(problems))
     if "d2t" in tensors:
         _check_vocab_maps(tensors["d2t"], tensors["t2d"], config)
 
@@ -159,16 +161,21 @@ def _rope_fields(rope: dict) -> dict:
     return fields
 
 
+def llama_layer_config(config: EagleConfig, dtype: torch.dtype) -> dict:
+    """The one-layer ``LlamaConfig`` a head's ``config.json`` describes (sizes, norm, activation, RoPE, dtype)."""
+    c = config
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {"model_type": "llama", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+            "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": c.head_dim, "num_hidden_layers": 1, "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_norm_eps,
+            "hidden_act": c.hidden_act, **_rope_fields(c.rope), "tie_word_embeddings": False,
+            "torch_dtype": dtype_name, "dtype": dtype_name}
+
+
 def _config_json(config: EagleConfig, dtype: torch.dtype) -> dict:
     """The draft's ``config.json``: a one-layer LlamaConfig plus the keys of its kind (module docstring)."""
     c = config
-    dtype_name = str(dtype).removeprefix("torch.")
-    raw = {"architectures": ARCHITECTURES[c.kind], "model_type": "llama", "hidden_size": c.hidden_size,
-           "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
-           "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "num_hidden_layers": 1,
-           "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_norm_eps, "hidden_act": c.hidden_act,
-           **_rope_fields(c.rope), "tie_word_embeddings": False, "bias": False, "torch_dtype": dtype_name,
-           "dtype": dtype_name}
+    raw = {"architectures": ARCHITECTURES[c.kind], **llama_layer_config(c, dtype), "bias": False}
     if c.kind == "eagle":
         return raw
     return raw | {"draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.hidden_size,
@@ -177,7 +184,7 @@ def _config_json(config: EagleConfig, dtype: torch.dtype) -> dict:
                                    "use_aux_hidden_state": True}}
 
 
-def _disk_tensors(head: EagleHead) -> dict[str, torch.Tensor]:
+def disk_tensors(head: EagleHead) -> dict[str, torch.Tensor]:
     """The head's persistent tensors under their on-disk names, with EAGLE-1's zero ``fc.bias`` added and an
     identity ``d2t``/``t2d`` (full vocabulary) dropped."""
     config = head.config
@@ -197,17 +204,28 @@ def export_eagle(head: EagleHead, out_dir: Path, *, target: str, target_sha256: 
     """Write ``head`` to ``out_dir`` (``model.safetensors``, ``config.json``, ``compound.json``) atomically, float
     tensors in ``dtype``; refuses a head whose tensors do not match ``expected_eagle_tensors``."""
     config = head.config
-    tensors = _disk_tensors(head)
+    tensors = disk_tensors(head)
     check_eagle_tensors(tensors, config)
+    manifest = head_manifest(config, target, target_sha256, dtype) | (extra_manifest or {})
+    return write_head(out_dir, tensors, _config_json(config, dtype), manifest, dtype, overwrite)
+
+
+def head_manifest(config: EagleConfig, target: str, target_sha256: str | None, dtype: torch.dtype) -> dict:
+    """What ``compound.json`` records of a head in either layout: its config, target, dtype and aux layers."""
+    return {"compound_version": __version__, "format": "eagle", "kind": config.kind, "target": target,
+            "target_sha256": target_sha256, "eagle": config.to_dict(), "dtype": str(dtype).removeprefix("torch."),
+            "aux_layers": {"hf_hidden_states": list(config.aux_layers), "vllm": list(config.aux_layers),
+                           "sglang": sglang_layer_ids(config)}}
+
+
+def write_head(out_dir: Path, tensors: dict[str, torch.Tensor], config_json: dict, manifest: dict,
+               dtype: torch.dtype, overwrite: bool) -> Path:
+    """Write checked ``tensors`` (floats in ``dtype``), ``config.json`` and ``compound.json`` (``manifest`` plus the
+    file hashes) to ``out_dir`` atomically."""
     tensors = {name: (t.to(dtype) if t.is_floating_point() else t).contiguous() for name, t in tensors.items()}
-    manifest = {"compound_version": __version__, "format": "eagle", "kind": config.kind, "target": target,
-                "target_sha256": target_sha256, "eagle": config.to_dict(), "dtype": str(dtype).removeprefix("torch."),
-                "aux_layers": {"hf_hidden_states": list(config.aux_layers), "vllm": list(config.aux_layers),
-                               "sglang": sglang_layer_ids(config)},
-                **(extra_manifest or {})}
     with atomic_directory(Path(out_dir), overwrite) as staging:
         save_file(tensors, staging / WEIGHTS, metadata={"format": "pt"})
-        (staging / CONFIG).write_text(json.dumps(_config_json(config, dtype), indent=2) + "\n")
+        (staging / CONFIG).write_text(json.dumps(config_json, indent=2) + "\n")
         files = {p.name: sha256_file(p) for p in sorted(staging.iterdir()) if p.is_file()}
         (staging / MANIFEST).write_text(json.dumps({**manifest, "files": files}, indent=2) + "\n")
     return Path(out_dir)
@@ -215,9 +233,22 @@ def export_eagle(head: EagleHead, out_dir: Path, *, target: str, target_sha256: 
 
 def load_eagle(directory: Path) -> EagleHead:
     """The head (float32, not attached: call ``.attach(target)``) of an EAGLE directory. Its config comes from
-    ``compound.json`` when present (file hashes checked), else from ``config.json``; every tensor is checked."""
+    ``compound.json`` when present (file hashes checked), else from ``config.json``; every tensor is checked. A
+    directory in the speculators layout is read by ``toolkit.heads.speculators_export.load_speculators``."""
+    from toolkit.heads import speculators_export  # it builds on this module
+
     directory = Path(directory)
+    if speculators_export.is_speculators(directory):
+        return speculators_export.load_speculators(directory)
     config = _read_config(directory)
+    tensors = read_weights(directory)
+    check_eagle_tensors(tensors, config)
+    return head_from_tensors(config, tensors, directory)
+
+
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a head directory's ``model.safetensors``, once the file hashes ``compound.json`` records (when
+    present) match."""
     if (directory / MANIFEST).is_file():
         changed = verify_manifest(directory)
         if changed:
@@ -225,8 +256,12 @@ def load_eagle(directory: Path) -> EagleHead:
                              "(changed or missing since export); re-export the head")
     if not (directory / WEIGHTS).is_file():
         raise FileNotFoundError(f"{directory / WEIGHTS} is missing")
-    tensors = load_file(directory / WEIGHTS)
-    check_eagle_tensors(tensors, config)
+    return load_file(directory / WEIGHTS)
+
+
+def head_from_tensors(config: EagleConfig, tensors: dict[str, torch.Tensor], directory: Path) -> EagleHead:
+    """The float32 head of checked ``tensors`` under the EAGLE layout's names (identity maps for a full vocabulary);
+    refuses EAGLE-1's non-zero ``fc.bias``."""
     head = EagleHead(config)
     state = {}
     for name in head.state_dict():
@@ -253,10 +288,10 @@ def _read_config(directory: Path) -> EagleConfig:
         if manifest.get("format") != "eagle":
             raise ValueError(f"{directory / MANIFEST} describes a {manifest.get('format')!r} export, not an EAGLE head")
         return EagleConfig.from_dict(manifest["eagle"])
-    return _config_from_json(json.loads((directory / CONFIG).read_text()), directory)
+    return config_from_json(json.loads((directory / CONFIG).read_text()), directory)
 
 
-def _config_from_json(raw: dict, directory: Path) -> EagleConfig:
+def config_from_json(raw: dict, directory: Path) -> EagleConfig:
     """An ``EagleConfig`` from a draft ``config.json`` alone (the target's layer count unknown: 0)."""
     archs = raw.get("architectures") or []
     if "LlamaForCausalLMEagle3" in archs:
