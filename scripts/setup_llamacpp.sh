@@ -8,24 +8,17 @@
 # No torch in this venv: the judge script reads GGUF files and token ids only. The first build compiles llama.cpp
 # (about 10-15 minutes on 2 cores); later calls return at once. GGML_NATIVE builds for this CPU's instruction set.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/venv_common.sh"
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${1:-$ROOT/.venvs/llamacpp}"
-PYTHON="${PYTHON:-python3}"
+venv_init llamacpp llama.cpp "$@"
 LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
-PY="$VENV/bin/python"
 
 check() {
     "$PY" -P -c "import llama_cpp, numpy; print('llama_cpp', llama_cpp.__version__)"
 }
 
-if [[ -x "$PY" ]] && check 2>/dev/null; then
-    echo "llama.cpp venv already set up at $VENV"
-    exit 0
-fi
-
-[[ -x "$PY" ]] || { mkdir -p "$(dirname "$VENV")"; "$PYTHON" -m venv "$VENV"; }
-"$PY" -m pip install -q --upgrade pip wheel
+exit_if_ready
+venv_create
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF}"
 "$PY" -m pip install -q numpy "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"

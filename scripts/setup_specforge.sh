@@ -4,9 +4,8 @@
 #
 #   bash scripts/setup_specforge.sh [VENV]     # idempotent: does nothing when specforge imports from the venv
 #
-# torch is installed FIRST (the CPU wheel 2.13.0), then specforge with --no-deps and its requirements listed below,
-# all with a constraint file pinning torch==2.13.0, so the resolver can never pull a CUDA torch.
-# specforge 0.2.0 pins torch==2.11.0, transformers==5.8.1 and sglang==0.5.14; with torch pinned to 2.13.0 pip
+# torch is installed first (venv_common.sh's torch_first), then specforge with --no-deps and its requirements listed
+# below. specforge 0.2.0 pins torch==2.11.0, transformers==5.8.1 and sglang==0.5.14; with torch pinned to 2.13.0 pip
 # answers "ResolutionImpossible: specforge 0.2.0 depends on torch==2.11.0". sglang 0.5.14 itself pins torch==2.11.0,
 # torchaudio==2.11.0 and CUDA-only packages (flashinfer_python[cu13], cuda-python, sglang-kernel, sgl-deep-gemm,
 # nvidia-cutlass-dsl[cu13], flash-attn-4), so it is not installed: SpecForge needs it only to capture hidden states
@@ -16,22 +15,16 @@
 # Triton has no CPU driver, so SpecForge's KL kernel runs on CPU only under TRITON_INTERPRET=1 (Triton's interpreter);
 # the runner sets it.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/venv_common.sh"
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${1:-$ROOT/.venvs/specforge}"
-PYTHON="${PYTHON:-python3}"
+venv_init specforge SpecForge "$@"
 SPECFORGE_VERSION="${SPECFORGE_VERSION:-0.2.0}"
 TRITON_VERSION="${TRITON_VERSION:-3.9.0}"
-PY="$VENV/bin/python"
 export CUDA_VISIBLE_DEVICES=""
 
 check() {
-    "$PY" -P - <<'PY'  # -P: the repo root (cwd) not on sys.path, where kernels/ would shadow the PyPI package
+    torch_check <<'PY'
 import importlib.metadata as md
-import sys
-import torch
-if not torch.__version__.startswith("2.13.0") or torch.version.cuda is not None:
-    sys.exit(f"wrong torch build in the SpecForge venv: {torch.__version__} (cuda={torch.version.cuda})")
 import triton, yunchang  # noqa: F401
 import specforge  # noqa: F401
 from specforge.algorithms.eagle3.model import OnlineEagle3Model  # noqa: F401  (imports the triton loss)
@@ -41,18 +34,9 @@ print("specforge", md.version("specforge"), "torch", torch.__version__, "transfo
 PY
 }
 
-if [[ -x "$PY" ]] && check 2>/dev/null; then
-    echo "SpecForge venv already set up at $VENV"
-    exit 0
-fi
-
-[[ -x "$PY" ]] || { mkdir -p "$(dirname "$VENV")"; "$PYTHON" -m venv "$VENV"; }
-CONSTRAINTS="$(mktemp)"
-trap 'rm -f "$CONSTRAINTS"' EXIT
-echo "torch==2.13.0" > "$CONSTRAINTS"
-
-"$PY" -m pip install -q --upgrade pip wheel "setuptools>=77.0.1,<83"
-"$PY" -m pip install -q "torch==2.13.0" -c "$CONSTRAINTS"
+exit_if_ready
+venv_create "$SETUPTOOLS"
+torch_first -q
 "$PY" -m pip install -q --no-deps "specforge==$SPECFORGE_VERSION"
 # specforge 0.2.0's Requires-Dist, less torch (installed above) and sglang (see the header); plus triton
 "$PY" -m pip install -q -c "$CONSTRAINTS" \

@@ -4,30 +4,23 @@
 #
 #   bash scripts/setup_speculators.sh [VENV]     # idempotent: does nothing when speculators imports from the venv
 #
-# torch is installed FIRST (the CPU wheel 2.13.0), then speculators with --no-deps and its own requirements listed
-# below, all with a constraint file pinning torch==2.13.0, so the resolver can never pull a CUDA torch.
-# speculators 0.9.0 requires torchvision and torchaudio but imports neither; the torchvision matching torch 2.13.0
-# on PyPI (0.28.0) is a CUDA build whose ops do not register with the CPU torch ("RuntimeError: operator
+# torch is installed first (venv_common.sh's torch_first), then speculators with --no-deps and its own requirements
+# listed below. speculators 0.9.0 requires torchvision and torchaudio but imports neither; the torchvision matching
+# torch 2.13.0 on PyPI (0.28.0) is a CUDA build whose ops do not register with the CPU torch ("RuntimeError: operator
 # torchvision::nms does not exist"), and transformers imports torchvision whenever it is installed, which then breaks
 # `from transformers import PreTrainedModel` and so `import speculators`. They are therefore left out.
 # Training itself needs an accelerator (speculators' Trainer moves the draft to device index 0); the venv still
 # converts data, builds and saves drafts (--dry-run) on CPU. See benchmarks/peers/heads_speculators.py.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/venv_common.sh"
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${1:-$ROOT/.venvs/speculators}"
-PYTHON="${PYTHON:-python3}"
+venv_init speculators speculators "$@"
 SPECULATORS_VERSION="${SPECULATORS_VERSION:-0.9.0}"
-PY="$VENV/bin/python"
 export CUDA_VISIBLE_DEVICES=""
 
 check() {
-    "$PY" -P - <<'PY'  # -P: the repo root (cwd) not on sys.path, where kernels/ would shadow the PyPI package
+    torch_check <<'PY'
 import importlib.metadata as md
-import sys
-import torch
-if not torch.__version__.startswith("2.13.0") or torch.version.cuda is not None:
-    sys.exit(f"wrong torch build in the speculators venv: {torch.__version__} (cuda={torch.version.cuda})")
 for name in ("torchvision", "torchaudio"):
     try:
         md.version(name)
@@ -40,18 +33,9 @@ print("speculators", md.version("speculators"), "torch", torch.__version__, "tra
 PY
 }
 
-if [[ -x "$PY" ]] && check 2>/dev/null; then
-    echo "speculators venv already set up at $VENV"
-    exit 0
-fi
-
-[[ -x "$PY" ]] || { mkdir -p "$(dirname "$VENV")"; "$PYTHON" -m venv "$VENV"; }
-CONSTRAINTS="$(mktemp)"
-trap 'rm -f "$CONSTRAINTS"' EXIT
-echo "torch==2.13.0" > "$CONSTRAINTS"
-
-"$PY" -m pip install -q --upgrade pip wheel "setuptools>=77.0.1,<83"
-"$PY" -m pip install -q "torch==2.13.0" -c "$CONSTRAINTS"
+exit_if_ready
+venv_create "$SETUPTOOLS"
+torch_first -q
 "$PY" -m pip uninstall -q -y torchvision torchaudio 2>/dev/null || true
 "$PY" -m pip install -q --no-deps "speculators==$SPECULATORS_VERSION"
 # speculators 0.9.0's Requires-Dist, less torch (installed above), torchvision and torchaudio (see the header)

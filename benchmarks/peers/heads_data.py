@@ -303,19 +303,24 @@ def tokens_per_step(info: dict, batch_size: int) -> int:
     return max(int(math.ceil(info["mean_tokens"] * batch_size)), 1)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cache", required=True, type=Path,
-                    help="compound eagle3 hidden-state cache (OUTPUT.work/hidden-<aux>-final) or the work dir")
-    ap.add_argument("--model", required=True, type=Path, help="the float target directory the cache was made with")
-    ap.add_argument("--to", required=True, choices=["speculators", "specforge"])
+def add_data_options(ap: argparse.ArgumentParser) -> None:
+    """The options that say what to convert and where (this file's, and the peer runners')."""
+    ap.add_argument("--cache", required=True, type=Path, help="compound eagle3 cache (OUTPUT.work/hidden-*-final) or "
+                    "the work directory holding it")
+    ap.add_argument("--model", required=True, type=Path, help="float target directory (the cache's target)")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--draft-vocab", type=int, default=None)
-    ap.add_argument("--vocab-from", type=Path, default=None, help="compound-exported eagle3 head: take its t2d")
+    ap.add_argument("--vocab-from", type=Path, default=None, help="compound eagle3 head directory: use its vocabulary")
+    ap.add_argument("--max-examples", type=int, default=None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_data_options(ap)
+    ap.add_argument("--to", required=True, choices=["speculators", "specforge"])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                     help="stored dtype (default: float32 for speculators, whose last layer is recomputed; bfloat16, "
                          "the cache's own, for SpecForge)")
-    ap.add_argument("--max-examples", type=int, default=None)
     args = ap.parse_args()
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     cache = find_cache(args.cache)

@@ -70,6 +70,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import heads_data  # noqa: E402
+from heads_runner import BIN, check_aux_layers, error_tail, finish, parser, run, start  # noqa: E402
 
 PEER = "specforge"
 ARCH_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
@@ -79,25 +80,9 @@ ARCH_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_valu
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cache", required=True, type=Path, help="compound eagle3 cache (OUTPUT.work/hidden-*-final) or "
-                    "the work directory holding it")
-    ap.add_argument("--model", required=True, type=Path, help="float target directory (the cache's target)")
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--draft-vocab", type=int, default=None)
-    ap.add_argument("--vocab-from", type=Path, default=None, help="compound eagle3 head directory: use its vocabulary")
-    ap.add_argument("--aux-layers", default=None, help="comma-separated; must be the cache's (default: the cache's)")
-    ap.add_argument("--ttt-steps", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup-steps", type=int, default=20)
+    ap = parser(__doc__)
     ap.add_argument("--grad-clip", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-length", type=int, default=2048, help="data.max_length (conversations are cut to it)")
-    ap.add_argument("--max-examples", type=int, default=None)
-    ap.add_argument("--timeout", type=float, default=6 * 3600)
     ap.add_argument("--compound-python", default=None,
                     help="a Python with compound installed, to check the head with load_eagle (default: this venv's "
                          "base interpreter; 'none' skips the check)")
@@ -159,29 +144,6 @@ def run_config(args, out: Path, target: Path, lm_head_key: str, data: Path, aux_
     }
 
 
-def error_tail(log: Path, lines: int = 12) -> str:
-    """The exception line of a failed run's log (the last ``SomeError: message`` line), else its last lines."""
-    text = log.read_text(errors="replace").splitlines() if log.exists() else []
-    found = [m.group(1) for line in text if (m := re.match(r"^(?:\[rank\d+\]: )?([\w.]*(?:Error|Exception)\b.*)", line))
-             and "ChildFailedError" not in line]
-    if found:
-        return found[-1]
-    return "\n".join([line for line in text if line.strip()][-lines:])
-
-
-def run(cmd: list[str], log: Path, env: dict, timeout: float, cwd: Path | None = None) -> tuple[int, float]:
-    started = time.perf_counter()
-    with log.open("w") as f:
-        f.write("$ " + " ".join(cmd) + "\n")
-        f.flush()
-        try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout,
-                                cwd=cwd).returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
-    return rc, time.perf_counter() - started
-
-
 def step_metrics(log: Path) -> list[dict]:
     """SpecForge's per-step lines ``step N: {...}``: step, loss, lr, acc, grad_norm, step seconds."""
     rows = []
@@ -203,22 +165,14 @@ def step_metrics(log: Path) -> list[dict]:
 def main() -> None:
     args = parse_args()
     started = time.perf_counter()
-    out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    bindir = Path(sys.executable).parent
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=str(args.threads),
-               MKL_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false", TRITON_INTERPRET="1")
-    result: dict = {"peer": PEER, "version": _version("specforge"), "torch": _version("torch"),
-                    "transformers": _version("transformers"), "triton": _version("triton"),
-                    "load_avg_at_start": os.getloadavg()}
+    out, env, result = start(args, PEER, "triton", TRITON_INTERPRET="1")
 
     cache = heads_data.find_cache(args.cache)
     data = out / "data"
     info = heads_data.to_specforge(cache, args.model, data, draft_vocab=args.draft_vocab, vocab_from=args.vocab_from,
                                    max_examples=args.max_examples)
     aux, aux_sglang = info["aux_layers_hf"], info["aux_layers_sglang"]
-    if args.aux_layers and [int(i) for i in args.aux_layers.split(",")] != aux:
-        raise SystemExit(f"--aux-layers {args.aux_layers} != the cache's aux layers {aux}")
+    check_aux_layers(args, aux)
     vocab = info["vocabulary"]["draft_vocab"]
     info.pop("example_ids")
     result["data"] = info
@@ -241,17 +195,17 @@ def main() -> None:
                           "env": {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}}
 
     shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    cmd = [str(bindir / "specforge"), "train", "--config", str(out / "run.yaml")]
+    cmd = [str(BIN / "specforge"), "train", "--config", str(out / "run.yaml")]
     rc, seconds = run(cmd, out / "train.log", env, args.timeout, cwd=out)
     result["train"] = {"command": " ".join(cmd), "rc": rc, "seconds": round(seconds, 1),
                        "steps": step_metrics(out / "train.log")}
     if rc:
         result.update(status="failed", error=error_tail(out / "train.log"), stage="train")
-        return _finish(result, out, started)
+        return finish(result, out, started)
 
     head = out / "head"
     shutil.rmtree(head, ignore_errors=True)
-    exp_cmd = [str(bindir / "specforge"), "export", "--to", "sglang",
+    exp_cmd = [str(BIN / "specforge"), "export", "--to", "sglang",
                "--checkpoint", str(out / "checkpoints" / "compound-peer-latest"),
                "--draft-config", str(out / "draft_config.json"), "--output-dir", str(head),
                "--vocab-mapping", str(data / "vocab_mapping.pt")]
@@ -260,10 +214,10 @@ def main() -> None:
                         "files": sorted(p.name for p in head.iterdir()) if head.exists() else []}
     if exp_rc:
         result.update(status="failed", error=error_tail(out / "export.log"), stage="export")
-        return _finish(result, out, started)
+        return finish(result, out, started)
     result.update(status="trained", head=str(head), train_seconds=round(seconds, 1))
     result["compound_load"] = check_load(args.compound_python, head, out)
-    _finish(result, out, started)
+    finish(result, out, started)
 
 
 def check_load(python: str | None, head: Path, cwd: Path) -> dict:
@@ -281,22 +235,6 @@ def check_load(python: str | None, head: Path, cwd: Path) -> dict:
         return {"checked": True, "ok": False, "python": python,
                 "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
     return {"checked": True, "ok": True, "python": python, "config": json.loads(proc.stdout.strip().splitlines()[-1])}
-
-
-def _finish(result: dict, out: Path, started: float) -> None:
-    result["seconds_total"] = round(time.perf_counter() - started, 1)
-    result["load_avg_at_end"] = os.getloadavg()
-    (out / "result.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    print(json.dumps(result, indent=1, default=str))
-
-
-def _version(name: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 if __name__ == "__main__":

@@ -56,11 +56,8 @@ of the repository holding the venv: the uncommitted work of this checkout); a tr
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -69,33 +66,18 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import heads_data  # noqa: E402
+from heads_runner import BIN, check_aux_layers, error_tail, finish, parser, run, start  # noqa: E402
 
 PEER = "speculators"
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cache", required=True, type=Path, help="compound eagle3 cache (OUTPUT.work/hidden-*-final) or "
-                    "the work directory holding it")
-    ap.add_argument("--model", required=True, type=Path, help="float target directory (the cache's target)")
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--draft-vocab", type=int, default=None)
-    ap.add_argument("--vocab-from", type=Path, default=None, help="compound eagle3 head directory: use its vocabulary")
-    ap.add_argument("--aux-layers", default=None, help="comma-separated; must be the cache's (default: the cache's)")
-    ap.add_argument("--ttt-steps", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--batch-size", type=int, default=8)
+    ap = parser(__doc__)
     ap.add_argument("--tokens-per-step", type=int, default=None, help="--total-seq-len (default: batch x mean length)")
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup-steps", type=int, default=20)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hidden-states-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="speculators' autocast/loader dtype (its recommended bfloat16; compound trains in bf16)")
     ap.add_argument("--attn-impl", default="sdpa", choices=["sdpa", "eager", "simple_flex_attention"],
                     help="--draft-attn-impl (sdpa: speculators' documented choice without flex attention)")
-    ap.add_argument("--max-examples", type=int, default=None)
-    ap.add_argument("--timeout", type=float, default=6 * 3600)
     ap.add_argument("--no-torchrun", action="store_true", help="skip the torchrun attempt after a failure")
     return ap.parse_args()
 
@@ -118,50 +100,17 @@ def train_flags(args, info: dict, data_dir: Path, aux: list[int], vocab: int, to
     ]
 
 
-def error_tail(log: Path, lines: int = 12) -> str:
-    """The exception line of a failed run's log (the last ``SomeError: message`` line that is not torchrun's own
-    ChildFailedError; rich tracebacks box their frames, the message follows the box), else its last lines."""
-    import re
-
-    text = log.read_text(errors="replace").splitlines() if log.exists() else []
-    found = [m.group(1) for line in text if (m := re.match(r"^(?:\[rank\d+\]: )?([\w.]*(?:Error|Exception)\b.*)", line))
-             and "ChildFailedError" not in line]
-    if found:
-        return found[-1]
-    plain = [line for line in text if line.strip() and not line.startswith(("│", "╭", "╰"))]
-    return "\n".join(plain[-lines:])
-
-
-def run(cmd: list[str], log: Path, env: dict, timeout: float) -> tuple[int, float]:
-    started = time.perf_counter()
-    with log.open("w") as f:
-        f.write("$ " + " ".join(cmd) + "\n")
-        f.flush()
-        try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = 124
-    return rc, time.perf_counter() - started
-
-
 def main() -> None:
     args = parse_args()
     started = time.perf_counter()
-    out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    bindir = Path(sys.executable).parent
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS=str(args.threads),
-               MKL_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
-    result: dict = {"peer": PEER, "version": _version("speculators"), "torch": _version("torch"),
-                    "transformers": _version("transformers"), "load_avg_at_start": os.getloadavg()}
+    out, env, result = start(args, PEER)
 
     cache = heads_data.find_cache(args.cache)
     data_dir = out / "data"
     info = heads_data.to_speculators(cache, args.model, data_dir, draft_vocab=args.draft_vocab,
                                      vocab_from=args.vocab_from, max_examples=args.max_examples)
     aux = info["target_layer_ids"]
-    if args.aux_layers and [int(i) for i in args.aux_layers.split(",")] != aux:
-        raise SystemExit(f"--aux-layers {args.aux_layers} != the cache's aux layers {aux}")
+    check_aux_layers(args, aux)
     vocab = info["vocabulary"]["draft_vocab"]
     total_seq_len = args.tokens_per_step or heads_data.tokens_per_step(info, args.batch_size)
     flags = train_flags(args, info, data_dir, aux, vocab, total_seq_len)
@@ -177,7 +126,7 @@ def main() -> None:
 
     save = out / "checkpoints"
     shutil.rmtree(save, ignore_errors=True)
-    cmd = [str(bindir / "speculators"), "train", *flags, "--save-path", str(save), "--log-dir", str(out / "logs")]
+    cmd = [str(BIN / "speculators"), "train", *flags, "--save-path", str(save), "--log-dir", str(out / "logs")]
     rc, seconds = run(cmd, out / "train.log", env, args.timeout)
     attempts = [{"what": "speculators train on CPU (CUDA_VISIBLE_DEVICES='', --num-workers 0, --draft-attn-impl "
                  f"{args.attn_impl})", "command": " ".join(cmd), "rc": rc, "seconds": round(seconds, 1),
@@ -185,7 +134,7 @@ def main() -> None:
     if rc and not args.no_torchrun:  # the documented multi-process launcher: its own device setup
         tr_save = out / "checkpoints-torchrun"
         shutil.rmtree(tr_save, ignore_errors=True)
-        tr_cmd = [str(bindir / "torchrun"), "--nproc_per_node=1", "-m", "speculators.train", *flags,
+        tr_cmd = [str(BIN / "torchrun"), "--nproc_per_node=1", "-m", "speculators.train", *flags,
                   "--save-path", str(tr_save), "--log-dir", str(out / "logs")]
         tr_rc, tr_s = run(tr_cmd, out / "train-torchrun.log", env, args.timeout)
         attempts.append({"what": "torchrun --nproc_per_node=1 -m speculators.train (same flags)",
@@ -205,15 +154,12 @@ def main() -> None:
                       "documented option selects the CPU.")
         dry = out / "dry-run"
         shutil.rmtree(dry, ignore_errors=True)
-        dry_cmd = [str(bindir / "speculators"), "train", *flags, "--dry-run", "--save-path", str(dry)]
+        dry_cmd = [str(BIN / "speculators"), "train", *flags, "--dry-run", "--save-path", str(dry)]
         dry_rc, _ = run(dry_cmd, out / "dry-run.log", env, 900)
         result["dry_run"] = {"command": " ".join(dry_cmd), "rc": dry_rc, "dir": str(dry) if dry_rc == 0 else None,
                              "files": sorted(p.name for p in dry.iterdir()) if dry.exists() else [],
                              "error": error_tail(out / "dry-run.log") if dry_rc else None}
-    result["seconds_total"] = round(time.perf_counter() - started, 1)
-    result["load_avg_at_end"] = os.getloadavg()
-    (out / "result.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    print(json.dumps(result, indent=1, default=str))
+    finish(result, out, started)
 
 
 def _final_checkpoint(save: Path) -> Path:
@@ -224,15 +170,6 @@ def _final_checkpoint(save: Path) -> Path:
 
 def _train_log(log: Path) -> list[str]:
     return [line for line in log.read_text(errors="replace").splitlines() if "loss" in line][-20:]
-
-
-def _version(name: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 if __name__ == "__main__":
