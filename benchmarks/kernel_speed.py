@@ -10,9 +10,9 @@ a linear is memory-bound, so bandwidth, not FLOP/s, is the figure of merit. On a
 ``--threads 1``: a multi-threaded op waits for its slowest thread, which the scheduler may park for a whole time
 slice (2 threads at load 14 on 2 cores put a ~20 ms floor under every call).
 
-    python benchmarks/kernels.py                       # all models, M = 1 and 16, print the table
-    python benchmarks/kernels.py --models smollm2-135m --m 1 512 --threads 1
-    python benchmarks/kernels.py --write BENCHMARKS.md  # also replace the "## Kernels" section of that file
+    python benchmarks/kernel_speed.py                       # all models, M = 1 and 16, print the table
+    python benchmarks/kernel_speed.py --models smollm2-135m --m 1 512 --threads 1
+    python benchmarks/kernel_speed.py --write BENCHMARKS.md  # also replace the "## Kernels" section of that file
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> str:
     else:
         parts.append("GPU: no CUDA device in this run (none was lent to the task that wrote it), so the Triton "
                      "kernels' GPU table is still to be measured; they are tested under TRITON_INTERPRET=1.")
-    parts.insert(0, f"Command: `python benchmarks/kernels.py {' '.join(argv if argv is not None else sys.argv[1:])}`")
+    parts.insert(0, f"Command: `python benchmarks/kernel_speed.py {' '.join(argv if argv is not None else sys.argv[1:])}`")
     markdown = "\n\n".join(parts)
     print(markdown)
     if args.write:
