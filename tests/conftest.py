@@ -10,9 +10,11 @@ from pathlib import Path
 
 # `python -m pytest` puts the working directory first on sys.path; from the repository root, the source folder
 # `kernels/` (installed as `toolkit.kernels`) would then shadow the PyPI package `kernels` that transformers imports
-# when it is installed (a dependency of transformers 5.25).
+# when it is installed (a dependency of transformers 5.25). Moved to the end, the root still provides this
+# checkout's `toolkit` (site-packages holds none; an editable install's finder comes after the path) but no longer
+# hides an installed `kernels`.
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != REPO]
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != REPO] + [str(REPO)]
 os.environ["PYTHONSAFEPATH"] = "1"  # the same for every `python -c` / `-m` the tests start
 
 if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -16,3 +16,15 @@ def test_no_script_folder_shadows_a_package_transformers_imports():
     shadowing = [str(path) for folder in folders for name in SHADOWED
                  for path in (folder / f"{name}.py", folder / name / "__init__.py") if path.exists()]
     assert not shadowing, f"rename {shadowing}: they would shadow the PyPI package of that name"
+
+
+def test_tests_import_this_checkouts_toolkit_and_the_installed_kernels():
+    """conftest keeps the repository root on sys.path, after site-packages: `toolkit` is this checkout's, and an
+    installed PyPI `kernels` (if any) is not shadowed by the source folder `kernels/`."""
+    import importlib.util
+
+    import toolkit
+
+    assert Path(toolkit.__file__).resolve().parent == ROOT / "toolkit"
+    spec = importlib.util.find_spec("kernels")
+    assert spec is None or Path(spec.origin or "").resolve().parent != ROOT / "kernels"

@@ -24,10 +24,32 @@ import numpy as np
 from llama_cpp import Llama
 
 
+def _without_extra_buffers_on_amx() -> None:
+    """On a CPU with AMX tiles, load models without llama.cpp's extra CPU buffer types (its AMX weight repacking):
+    with them llama-cpp-python 0.3.36 built GGML_NATIVE segfaults in ``llama_decode`` on every model, SmolLM2's own
+    Q4_1 file included (seen 2026-12-04 on a 2-core Xeon). ``use_extra_bufts`` is a field of llama.cpp's model
+    parameters that ``Llama`` does not take as an argument, so its defaults are wrapped; the plain CPU buffers hold the
+    same weights (only the matmul kernel changes)."""
+    import llama_cpp.llama_cpp as api
+
+    with open("/proc/cpuinfo") as cpuinfo:
+        if "amx_tile" not in cpuinfo.read():
+            return
+    defaults = api.llama_model_default_params
+
+    def params():
+        chosen = defaults()
+        chosen.use_extra_bufts = False
+        return chosen
+
+    api.llama_model_default_params = params
+
+
 def _model(path: str, n_ctx: int, threads: int, logits_all: bool = False, kv: str | None = None) -> Llama:
     """llama.cpp's model of ``path``; kv "q8_0": a Q8_0 KV cache (with flash attention, which a quantized V needs)."""
     import llama_cpp
 
+    _without_extra_buffers_on_amx()
     cache = {"type_k": llama_cpp.GGML_TYPE_Q8_0, "type_v": llama_cpp.GGML_TYPE_Q8_0, "flash_attn": True} if kv else {}
     return Llama(model_path=path, n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, n_threads_batch=threads,
                  logits_all=logits_all, verbose=False, seed=0, **cache)
