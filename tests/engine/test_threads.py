@@ -27,9 +27,9 @@ def test_auto_takes_the_cores_other_processes_leave(cores, others, expected):
 
 def test_auto_reads_affinity_and_what_others_keep_busy(monkeypatch):
     monkeypatch.setattr(threads, "available_cores", lambda: 6)
-    monkeypatch.setattr(threads, "others_busy_cores", lambda: (2.0, "busy now"))
+    monkeypatch.setattr(threads, "others_busy_cores", lambda: (2.0, "sampled over 0.5 s"))
     chosen = threads.choose("auto", environ={})
-    assert chosen.count == 4 and chosen.reason == "auto: 6 cores, 2.0 busy with other processes (busy now)"
+    assert chosen.count == 4 and chosen.reason == "auto: 6 cores, 2.0 busy with other processes (sampled over 0.5 s)"
 
 
 def test_a_busy_core_beside_us_is_seen():
@@ -46,7 +46,7 @@ def test_a_busy_core_beside_us_is_seen():
     finally:
         stop.set()
         spinner.join()
-    assert how == "busy now" and beside >= 0.6
+    assert how == "sampled over 0.5 s" and beside >= 0.6
 
 
 def _spin(stop):

@@ -77,10 +77,10 @@ def others_busy_cores(seconds: float = SAMPLE_SECONDS) -> tuple[float, str]:
         own1 = sum(os.times()[:2])
     except (OSError, ValueError, IndexError):
         times = os.times()
-        return max(0.0, os.getloadavg()[0] - (times.user + times.system) / 60), "load average"
+        return max(0.0, os.getloadavg()[0] - (times.user + times.system) / 60), "1-minute load average"
     elapsed_cores = (total1 - total0) / max(1, os.cpu_count() or 1)  # jiffies per core in the sample
     busy = (busy1 - busy0) / elapsed_cores if elapsed_cores else 0.0
-    return max(0.0, busy - (own1 - own0) / seconds), "busy now"
+    return max(0.0, busy - (own1 - own0) / seconds), f"sampled over {seconds:g} s"
 
 
 def auto_threads(cores: int, others_busy: float) -> int:
