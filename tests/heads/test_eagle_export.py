@@ -93,8 +93,8 @@ def export(head, out, **kwargs):
     return export_eagle(head, out, target=TARGET, target_sha256="ab" * 32, **kwargs)
 
 
-def test_fp32_round_trip_is_exact(target, head, tmp_path):
-    loaded = load_eagle(export(head, tmp_path / "head", dtype=torch.float32))
+def assert_same_head(loaded, head, target) -> None:
+    """``loaded`` has ``head``'s config and every tensor bit for bit, and drafts the same logits on ``target``."""
     assert loaded.config == head.config
     assert loaded.state_dict().keys() == head.state_dict().keys()
     for name, tensor in head.state_dict().items():
@@ -104,6 +104,10 @@ def test_fp32_round_trip_is_exact(target, head, tmp_path):
     hidden = head.fuse(torch.randn(1, 6, head.config.feature_size))
     out = head.step(hidden, ids, torch.arange(6), causal_attention)
     assert torch.equal(loaded.logits(loaded.step(hidden, ids, torch.arange(6), causal_attention)), head.logits(out))
+
+
+def test_fp32_round_trip_is_exact(target, head, tmp_path):
+    assert_same_head(load_eagle(export(head, tmp_path / "head", dtype=torch.float32)), head, target)
 
 
 def test_bf16_round_trip_rounds_each_float_once(head, tmp_path):

@@ -7,13 +7,13 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_eagle_export import DRAFT_VOCAB, EAGLE3_TENSORS, LLAMA_CONFIG, TARGET, make_head, target  # noqa: F401
+from test_eagle_export import (  # noqa: F401
+    DRAFT_VOCAB, EAGLE3_TENSORS, LLAMA_CONFIG, TARGET, assert_same_head, make_head, target)
 from torch import nn
 from typer.testing import CliRunner
 
 from toolkit.cli import app
 from toolkit.formats.checkpoint import MANIFEST, sha256_file
-from toolkit.heads.eagle import causal_attention
 from toolkit.heads.eagle_export import export_eagle, load_eagle
 from toolkit.heads.speculators_export import (
     expected_speculators_tensors,
@@ -57,15 +57,7 @@ def export(head, out, **kwargs):
 def test_fp32_round_trip_is_exact(target, head, tmp_path):
     out = export(head, tmp_path / "head", dtype=torch.float32)
     for loaded in (load_speculators(out), load_eagle(out)):  # load_eagle reads this layout too
-        assert loaded.config == head.config
-        assert loaded.state_dict().keys() == head.state_dict().keys()
-        for name, tensor in head.state_dict().items():
-            assert torch.equal(loaded.state_dict()[name], tensor), name
-    loaded.attach(target)
-    ids = torch.randint(0, 512, (1, 6))
-    hidden = head.fuse(torch.randn(1, 6, head.config.feature_size))
-    out = head.step(hidden, ids, torch.arange(6), causal_attention)
-    assert torch.equal(loaded.logits(loaded.step(hidden, ids, torch.arange(6), causal_attention)), head.logits(out))
+        assert_same_head(loaded, head, target)
 
 
 def test_config_and_tensors_are_the_ones_vllm_and_speculators_read(target, tmp_path):
