@@ -4,10 +4,10 @@ so all three train on the same self-distilled conversations and the same target 
 Runs with any Python that has torch and safetensors (the system one, or a peer venv); ``--to speculators`` also needs
 ``datasets`` (the speculators venv has it). It never imports ``toolkit``: it reads compound's cache files directly.
 
-    python benchmarks/peers/heads_data.py --cache OUT.work/hidden-2-15-27-final --model /tmp/smollm2-f32 \\
-        --draft-vocab 2048 --to speculators --out /tmp/peer-data/speculators
-    python benchmarks/peers/heads_data.py --cache OUT.work/hidden-2-15-27-final --model /tmp/smollm2-f32 \\
-        --vocab-from OUT --to specforge --out /tmp/peer-data/specforge
+    python benchmarks/peers/heads_data.py --cache OUT.work/hidden-2-15-27-final --model benchmarks/.cache/smollm2-135m-hf \\
+        --draft-vocab 2048 --to speculators --out benchmarks/.cache/heads-peers-data/speculators
+    python benchmarks/peers/heads_data.py --cache OUT.work/hidden-2-15-27-final --model benchmarks/.cache/smollm2-135m-hf \\
+        --vocab-from OUT --to specforge --out benchmarks/.cache/heads-peers-data/specforge
 
 What compound's cache holds (``toolkit/heads/hidden_states.py``; ``compound train-heads --head eagle3`` writes it to
 ``OUTPUT.work/hidden-<aux>-final``): per example i, ``{i}.hidden`` [T, n_aux + 1, H] (bfloat16) = the residual stream

@@ -2,8 +2,8 @@
 runs in the SpecForge venv (``scripts/setup_specforge.sh``) and writes ``--out/result.json`` (also printed): the
 exported head's directory and what was trained, or the failure with the exact error and what was tried.
 
-    .venvs/specforge/bin/python -P benchmarks/peers/heads_specforge.py --cache OUT.work --model /tmp/smollm2-f32 \\
-        --vocab-from OUT --steps 10 --batch-size 8 --lr 1e-3 --warmup-steps 2 --ttt-steps 5 --out /tmp/peer-sf
+    .venvs/specforge/bin/python -P benchmarks/peers/heads_specforge.py --cache OUT.work --model benchmarks/.cache/smollm2-135m-hf \\
+        --vocab-from OUT --steps 10 --batch-size 8 --lr 1e-3 --warmup-steps 2 --ttt-steps 5 --out benchmarks/.cache/heads-peers-runs/specforge
 
 Steps: (1) ``heads_data.to_specforge`` writes SpecForge's offline feature files (``--out/data``) from compound's
 hidden-state cache; (2) ``--out/run.yaml`` and ``--out/draft_config.json`` for ``specforge train`` (offline mode:

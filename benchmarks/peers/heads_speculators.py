@@ -3,8 +3,8 @@
 ``--out/result.json`` (also printed): the head's directory and what was trained, or the failure with the exact error
 and what was tried.
 
-    .venvs/speculators/bin/python -P benchmarks/peers/heads_speculators.py --cache OUT.work --model /tmp/smollm2-f32 \\
-        --vocab-from OUT --steps 10 --batch-size 8 --lr 1e-3 --warmup-steps 2 --ttt-steps 5 --out /tmp/peer-spec
+    .venvs/speculators/bin/python -P benchmarks/peers/heads_speculators.py --cache OUT.work --model benchmarks/.cache/smollm2-135m-hf \\
+        --vocab-from OUT --steps 10 --batch-size 8 --lr 1e-3 --warmup-steps 2 --ttt-steps 5 --out benchmarks/.cache/heads-peers-runs/speculators
 
 Steps: (1) ``heads_data.to_speculators`` writes speculators' offline data directory (``--out/data``) from compound's
 hidden-state cache; (2) ``speculators train`` with the flags below (``--out/train.log``); (3) when it cannot train, a
