@@ -1,15 +1,7 @@
 """Peak memory of ``compound quantize`` streamed (``--stream``) and in memory, on SmolLM2 and random Llama models.
 
-The models are written as bfloat16 safetensors shards (one per decoder layer) under ``benchmarks/.cache/`` (made on
-first use, never shipped), all with SmolLM2's tokenizer (so vocab 49152): ``smollm2`` is the embedded
-SmolLM2-135M-Instruct (its GGUF dequantized, then saved; a GGUF file itself cannot stream), the others are
-random-initialised Llama architectures:
-
-| size    | hidden | intermediate | layers | heads / KV heads | parameters | bf16 on disk |
-|---------|--------|--------------|--------|------------------|------------|--------------|
-| smollm2 | 576    | 1536         | 30     | 9 / 3            | 0.13 B     | 0.27 GB      |
-| small   | 1024   | 2816         | 16     | 16 / 4           | 0.28 B     | 0.56 GB      |
-| 3b      | 3072   | 8192         | 28     | 24 / 8           | 3.1 B      | 6.2 GB       |
+The models are those of ``benchmarks/random_llama.py`` (SmolLM2 re-saved as bf16 shards, random Llamas of
+other sizes).
 
 Each run is ``compound quantize --method gptq --bits 4 --group-size 128`` (or ``--method rtn``) in a subprocess; its
 peak RSS is the one it reports (its own ``VmHWM``: ``os.wait4``'s ``ru_maxrss`` would include this process's peak,
@@ -21,7 +13,7 @@ calibration each row used (group size 64 for SmolLM2, whose width 576 is not a m
 Every run's rows are kept in ``benchmarks/memory_results.json`` (keyed by model, method and mode, with the command
 that measured them), and the section in BENCHMARKS.md is the table of all of them, so runs of different sizes add up.
 
-    python benchmarks/memory.py [--size smollm2|small|3b] [--method gptq|rtn] [--modes stream,memory]
+    python benchmarks/memory.py [--size smollm2|small|1b|3b] [--method gptq|rtn] [--modes stream,memory]
                                 [--samples 8] [--seq-len 512] [--batch-size 8] [--no-write]
 """
 
@@ -41,69 +33,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from random_llama import SIZES, make_model  # noqa: E402
 from report import cpu_name, markdown_table, update_section  # noqa: E402
 
 CACHE = ROOT / "benchmarks" / ".cache" / "memory"
 RESULTS = ROOT / "benchmarks" / "memory_results.json"
-SIZES = {
-    "smollm2": None,  # the embedded model
-    "small": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
-                  num_key_value_heads=4),
-    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
-               num_key_value_heads=8),
-}
-VOCAB = 49152  # SmolLM2's tokenizer, so calibration text tokenizes into ids the embeddings have
-
-
-def make_model(size: str) -> Path:
-    """The random ``size`` model's directory, written shard by shard (one layer in memory at a time) if missing."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
-    from toolkit.models import embedded_gguf
-
-    path = CACHE / size
-    if (path / "config.json").is_file():
-        return path
-    staging = path.with_name(size + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    gguf = embedded_gguf("smollm2-135m")
-    if SIZES[size] is None:
-        from toolkit.models import load_model
-
-        gguf_model = load_model("smollm2-135m")  # transformers will not save a GGUF-loaded model: copy it over
-        config = gguf_model.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-        plain.load_state_dict(gguf_model.state_dict())
-        plain.save_pretrained(staging, max_shard_size="50MB")
-        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(staging)
-        os.replace(staging, path)
-        return path
-    config = LlamaConfig(vocab_size=VOCAB, tie_word_embeddings=False, dtype="bfloat16", **SIZES[size])
-    with init_empty_weights():
-        shapes = {name: t.shape for name, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
-    files = {name: f"layer-{name.split('.')[2]}.safetensors" if ".layers." in name else "outer.safetensors"
-             for name in shapes}
-    generator = torch.Generator().manual_seed(0)
-    from safetensors.torch import save_file
-
-    for filename in sorted(set(files.values())):
-        tensors = {}
-        for name in (n for n in shapes if files[n] == filename):
-            tensor = torch.randn(shapes[name], generator=generator) * 0.02 if len(shapes[name]) > 1 else \
-                torch.ones(shapes[name])
-            tensors[name] = tensor.to(torch.bfloat16)
-        save_file(tensors, staging / filename, metadata={"format": "pt"})
-    total = sum(2 * torch.Size(s).numel() for s in shapes.values())
-    (staging / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": files}, indent=1))
-    config.save_pretrained(staging)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(staging)
-    os.replace(staging, path)
-    return path
 
 
 def run_quantize(model: Path, output: Path, method: str, stream: bool, samples: int, seq_len: int,
@@ -134,7 +68,9 @@ def decode_check(output: Path, new_tokens: int = 8) -> str:
     model, tokenizer = load_quantized(output)
     prompt = tokenizer("The capital of France is")["input_ids"]
     with torch.no_grad():
-        tokens, stats = generate(Decoder.from_model(model, len(prompt) + new_tokens), prompt, new_tokens)
+        decoder = Decoder.from_model(model, len(prompt) + new_tokens)
+        decoder.prepare()  # int4 packing is load time, not decode time
+        tokens, stats = generate(decoder, prompt, new_tokens)
     assert tokens.shape[0] == len(prompt) + new_tokens
     return f"ok, {stats.new_tokens / stats.total_s:.1f} tok/s"
 
@@ -163,7 +99,8 @@ def main() -> None:
         row = {"model": args.size, "disk_bytes": disk, "method": args.method, "mode": mode, "group_size": group_size,
                "calibration": calibration, "peak_mib": run["peak_mib"], "seconds": round(run["seconds"]),
                "decode": decode_check(output), "estimate_gib": run["estimate"],
-               "command": "python benchmarks/memory.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d")}
+               "command": "python benchmarks/memory.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
+               "cpu": cpu_name()}
         print(markdown_table(COLUMNS, [_cells(row)]), flush=True)
         measured[f"{args.size}/{args.method}/{mode}"] = row
         shutil.rmtree(output, ignore_errors=True)
@@ -171,11 +108,18 @@ def main() -> None:
         return
     results = {**(json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}), **measured}  # read now: runs overlap
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    write_section(results)
+
+
+def write_section(results: dict) -> None:
+    """The BENCHMARKS.md section: every row of ``results``, smallest model first."""
     rows = sorted(results.values(), key=lambda r: (r["disk_bytes"], r["method"], r["mode"] != "stream"))
     body = (f"Rows from `benchmarks/memory_results.json`, each measured by the command in its last column, on "
-            f"{cpu_name()}, OMP_NUM_THREADS=1. W4 of bf16 shards (g128; g64 for SmolLM2); peak RSS as the quantize "
+            f"the CPU after its date, OMP_NUM_THREADS=1. W4 of bf16 shards (g128; g64 for SmolLM2); peak RSS as the quantize "
             f"process reports it (its VmHWM); \"RSS / disk\" against the bf16 size on disk; the decode check loads "
-            f"the output and decodes greedily through compound's loop.\n\n"
+            f"the output and decodes greedily through compound's loop (8 tokens after a 6-token prompt; checks dated "
+            f"before 2026-12-04 counted the packing of every int4 weight, about 30 s for the 3B, in that time: the "
+            f"section \"Decode speed against model size\" measures decoding).\n\n"
             + markdown_table(COLUMNS, [_cells(r) for r in rows]) + _target_line(results))
     print(body)
     update_section("Quantizing models larger than memory", body)
@@ -195,7 +139,7 @@ def _target_line(results: dict) -> str:
 def _cells(row: dict) -> list[str]:
     return [row["model"], f"{row['disk_bytes'] / 1e9:.2f} GB", f"{row['method'].upper()}, {row['mode']}",
             row["calibration"], f"{row['peak_mib']:.0f} MiB", f"{row['peak_mib'] * 2**20 / row['disk_bytes']:.2f}",
-            f"{row['seconds']} s", row["decode"], row["estimate_gib"], f"`{row['command']}` ({row['date']})"]
+            f"{row['seconds']} s", row["decode"], row["estimate_gib"], f"`{row['command']}` ({row['date']}, {row['cpu']})"]
 
 
 COLUMNS = ["model", "bf16 on disk", "method, mode", "calibration", "peak RSS", "RSS / disk", "wall time",

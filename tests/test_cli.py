@@ -75,6 +75,7 @@ def test_decode_a_float_and_a_quantized_tiny_model(tmp_path, tiny_llama_dir):
     assert result.exit_code == 0, result.output
     assert "tokens/s" in result.output and "greedy" in result.output
     assert "new tokens" in result.output and "prompt tokens" in result.output
+    assert "load (read weights, pack int4)" in result.output
     out = tmp_path / "q"
     assert run("quantize", "--model", tiny_llama_dir, "--group-size", "32", "--output", out).exit_code == 0
     result = run("decode", "--model", out, "--prompt", "Hi", "--max-new-tokens", "4", "--kv-cache", "int8",

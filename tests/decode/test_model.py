@@ -227,12 +227,14 @@ def test_rescored_head_is_exact_on_each_rows_top_logits_and_keeps_the_argmax():
     nn.init.normal_(head.weight, std=0.5, generator=generator)
     nn.init.normal_(head.bias, std=0.5, generator=generator)
     hidden = torch.randn(40, 64, generator=generator)
-    exact, fast = head(hidden), RescoredHead(head, top=16)(hidden)
-    top = exact.topk(8, dim=-1).indices
-    assert torch.allclose(fast.gather(-1, top), exact.gather(-1, top), atol=1e-5)  # recomputed in float32
-    assert torch.equal(fast.argmax(-1), exact.argmax(-1))
-    rest = (fast - exact).abs().max()
-    assert 0 < rest < 0.05 * exact.abs().max()  # everything else is the bf16 matmul's
+    for rows in (hidden, hidden[:1], hidden[0]):  # a batch; one row, as [1, D] and [D] (the decode step's mv)
+        exact, fast = head(rows), RescoredHead(head, top=16)(rows)
+        assert fast.shape == exact.shape
+        top = exact.topk(8, dim=-1).indices
+        assert torch.allclose(fast.gather(-1, top), exact.gather(-1, top), atol=1e-5)  # recomputed in float32
+        assert torch.equal(fast.argmax(-1), exact.argmax(-1))
+        rest = (fast - exact).abs().max()
+        assert 0 < rest < 0.05 * exact.abs().max()  # everything else is the bf16 product's
 
 
 def test_fast_head_decodes_the_same_greedy_tokens():
@@ -275,3 +277,33 @@ def test_int4_rows_decode_alike_alone_or_in_a_block():
     blocks = Decoder.from_model(model, max_len=48)
     in_blocks = torch.cat([blocks(ids[:17], 0)[1], blocks(ids[17:26], 17)[1], blocks(ids[26:], 26)[1]])
     assert torch.equal(one_by_one, in_blocks)
+
+
+def test_prepare_packs_every_int4_linear_once_and_decodes_the_same_tokens(monkeypatch):
+    """``Decoder.prepare`` does the int4 packing up front (so a decode's timing leaves it out): afterwards a forward
+    packs nothing more, and the greedy tokens equal those of a decoder that packed lazily."""
+    from toolkit.decode import generate
+    from toolkit.runtime import cpu_int4
+    from toolkit.runtime.quant_linear import QuantLinear
+
+    model = spread(family_model("llama"))
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, _int4(child))
+    ids = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(8)).tolist()
+    lazy, _ = generate(Decoder.from_model(model, 40), ids, 16)
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module._int4 = None
+    eager = Decoder.from_model(model, 40)
+    packed = []
+    original = cpu_int4.prepare_int4_cpu
+    monkeypatch.setattr(cpu_int4, "prepare_int4_cpu", lambda *a, **k: packed.append(a[0].shape) or original(*a, **k))
+    eager.prepare()
+    layers = len(model.model.layers)
+    assert len(packed) == 4 * layers  # fused q/k/v, o_proj, fused gate/up, down_proj per layer
+    before = len(packed)
+    tokens, _ = generate(eager, ids, 16)
+    assert len(packed) == before and torch.equal(tokens, lazy)

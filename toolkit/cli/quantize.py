@@ -177,6 +177,7 @@ def decode(
     from toolkit.runtime.load import load_model_or_checkpoint, read_manifest
 
     threads = start(ctx, options)
+    started = time.perf_counter()
     try:
         sampling = SamplingConfig(temperature, seed=seed) if temperature > 0 else None
         loaded, tokenizer = load_model_or_checkpoint(model, torch.float32)
@@ -188,6 +189,8 @@ def decode(
                              "(make one with compound quantize --kv-cache int8, or use --kv-cache int8)")
         decoder = Decoder.from_model(loaded, len(ids) + max_new_tokens, CACHE_DTYPES[kv_cache], scales,
                                      fast_head=sampling is None)  # greedy: the argmax is all it reads
+        decoder.prepare()  # int4 packing belongs to loading, not to the tokens/s below
+        load_s = time.perf_counter() - started
         out, stats = generate(decoder, ids, max_new_tokens, sampling, eos_token_id=tokenizer.eos_token_id)
     except (*user_errors(), DecodeError, ValueError) as err:
         fail(err)
@@ -197,6 +200,7 @@ def decode(
                         f"KV cache {kv_cache}{scaling}")
     table.add_column("measure")
     table.add_column("value", justify="right")
+    table.add_row("load (read weights, pack int4)", f"{load_s:.1f} s")
     table.add_row("prompt tokens", str(len(ids)))
     table.add_row("new tokens", str(stats.new_tokens))
     table.add_row("forward passes", str(stats.target_forwards))

@@ -28,7 +28,11 @@ class RescoredHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] float32 of hidden [..., D] float32."""
-        logits = F.linear(hidden.to(torch.bfloat16), self.weight_bf16).float()  # (..., V)
+        rows = hidden.to(torch.bfloat16)
+        if rows.numel() == rows.shape[-1]:  # one row (a decode step): torch's bf16 mv is twice its M = 1 matmul
+            logits = torch.mv(self.weight_bf16, rows.reshape(-1)).float().reshape(*hidden.shape[:-1], -1)
+        else:
+            logits = F.linear(rows, self.weight_bf16).float()  # (..., V)
         if self.bias is not None:
             logits += self.bias
         candidates = logits.topk(self.top, dim=-1).indices  # (..., top)

@@ -32,7 +32,7 @@ from torch import nn
 from toolkit.architectures import UnsupportedFamily, family
 from toolkit.decode.kv_cache import KVCache
 from toolkit.decode.lm_head import RescoredHead
-from toolkit.runtime.quant_linear import SharedInputLinears
+from toolkit.runtime.quant_linear import QuantLinear, SharedInputLinears
 
 
 class DecodeError(ValueError):
@@ -144,6 +144,17 @@ class Decoder:
         same greedy tokens, at about a third of the head's cost; the other logits carry bf16 error.
         """
         return cls(model, max_len, kv_dtype, kv_scales, feature_layers, fast_head)
+
+    def prepare(self) -> None:
+        """Pack every int4 linear for torch's CPU op now, so that the first forward (and its timing) does not."""
+        for layer in self.layers:
+            for group in (layer.qkv, layer.gate_up):
+                if group is not None:
+                    group.prepare()
+            for module in (layer.o_proj, layer.down_proj, layer.experts):
+                for linear in (module.modules() if module is not None else ()):
+                    if isinstance(linear, QuantLinear):
+                        linear.prepare()
 
     def setup_cache(self, max_len: int, kv_dtype: torch.dtype | None = None,
                     kv_scales: torch.Tensor | None = None) -> None:

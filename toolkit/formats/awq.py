@@ -80,7 +80,7 @@ def pack(qweight: QuantizedWeight, dtype: torch.dtype = torch.float16) -> dict[s
 def unpack(tensors: dict[str, torch.Tensor], bits: int, group_size: int, sym: bool = False) -> QuantizedWeight:
     """Read one linear's AWQ tensors back into codes, scale, zero and g_idx (exact inverse of ``pack``)."""
     _check_bits(bits)
-    codes = _deinterleave(unpack_codes(tensors["qweight"], BITS, dim=1)).t()  # (K, N) → (N, K)
+    codes = _deinterleave(unpack_codes(tensors["qweight"], BITS, dim=1).to(torch.uint8)).t()  # (K, N) → (N, K)
     zero = _deinterleave(unpack_codes(tensors["qzeros"], BITS, dim=1)).t()  # (G, N) → (N, G)
     return QuantizedWeight(
         codes=codes.to(torch.uint8).contiguous(),

@@ -74,7 +74,7 @@ def pack(qweight: QuantizedWeight, dtype: torch.dtype = torch.float16) -> dict[s
 
 def unpack(tensors: dict[str, torch.Tensor], bits: int, group_size: int, sym: bool = True) -> QuantizedWeight:
     """Read one linear's GPTQ tensors back into codes, scale, zero and g_idx (exact inverse of ``pack``)."""
-    codes = unpack_codes(tensors["qweight"], bits, dim=0).t()  # (N, K)
+    codes = unpack_codes(tensors["qweight"].t().contiguous(), bits, dim=1)  # (K·b/32, N) → (N, K·b/32) → (N, K)
     zero = (unpack_codes(tensors["qzeros"], bits, dim=1) + 1).t()  # v1 stores zero − 1; (G, N) → (N, G)
     return QuantizedWeight(
         codes=codes.to(torch.uint8).contiguous(),

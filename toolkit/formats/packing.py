@@ -45,9 +45,10 @@ def _unpack_aligned(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     per_word = 32 // bits
     moved = words.movedim(dim, -1)  # (..., W)
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
-    codes = (moved.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # (..., W, per_word); & masks the sign extension
+    codes = moved.unsqueeze(-1) >> shifts  # (..., W, per_word), contiguous
+    codes &= (1 << bits) - 1  # masks the sign extension
     codes = codes.reshape(*moved.shape[:-1], moved.shape[-1] * per_word)
-    return codes.movedim(-1, dim).contiguous()
+    return codes.movedim(-1, dim).contiguous()  # no copy when dim is the last
 
 
 def _pack_aligned(moved: torch.Tensor, bits: int) -> torch.Tensor:

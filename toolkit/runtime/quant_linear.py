@@ -127,12 +127,27 @@ class QuantLinear(nn.Module):
         y = self._cpu_int4(x) if path == "cpu-int4" else _TRITON[self.layout.NAME](self, x)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
-    def _cpu_int4(self, x: torch.Tensor) -> torch.Tensor:
-        from toolkit.runtime.cpu_int4 import int4_mm_cpu, prepare_int4_cpu
+    def takes_cpu_int4(self) -> bool:
+        """Whether a CPU forward of few rows runs torch's int4 op (backend, bits, group and width allow it)."""
+        return (self.backend in ("auto", "cpu-int4") and self.qweight_device().type == "cpu"
+                and not backend_problem("cpu-int4", self.bits, self.group_size, self.in_features))
 
-        if self._int4 is None:
+    def qweight_device(self) -> torch.device:
+        """The device the packed tensors live on."""
+        return getattr(self, self.suffixes[0]).device
+
+    def prepare(self) -> None:
+        """Pack the weight for torch's int4 op now (else the first cpu-int4 forward does), if that path can run it."""
+        from toolkit.runtime.cpu_int4 import prepare_int4_cpu
+
+        if self._int4 is None and self.takes_cpu_int4():
             w = self.layout.unpack(self.packed(), self.bits, self.group_size)
             self._int4 = prepare_int4_cpu(w.codes, w.scale, w.zero, self.group_size, w.g_idx)
+
+    def _cpu_int4(self, x: torch.Tensor) -> torch.Tensor:
+        from toolkit.runtime.cpu_int4 import int4_mm_cpu
+
+        self.prepare()
         return int4_mm_cpu(x, self._int4)
 
     def extra_repr(self) -> str:
@@ -162,8 +177,7 @@ class SharedInputLinears:
         if self._fusable and all(m.path(x) == "cpu-int4" for m in self.linears):
             from toolkit.runtime.cpu_int4 import int4_mm_cpu
 
-            if self._int4 is None:
-                self._prepare()
+            self.prepare()
             if self._fusable:
                 y = int4_mm_cpu(x, self._int4)
                 if self._bias is not None:
@@ -171,9 +185,17 @@ class SharedInputLinears:
                 return y.split([m.out_features for m in self.linears], dim=-1)
         return tuple(m(x) for m in self.linears)
 
-    def _prepare(self) -> None:
+    def prepare(self) -> None:
+        """Pack for torch's int4 op now (else the first call does): the concatenated linears when fusable, else each."""
         from toolkit.runtime.cpu_int4 import prepare_int4_cpu
 
+        if self._int4 is not None:
+            return
+        if not (self._fusable and all(m.takes_cpu_int4() for m in self.linears)):
+            for m in self.linears:
+                if isinstance(m, QuantLinear):
+                    m.prepare()
+            return
         parts = [m.layout.unpack(m.packed(), m.bits, m.group_size) for m in self.linears]
         g_idx = [w.g_idx for w in parts]
         if any(g is None for g in g_idx) != all(g is None for g in g_idx) or (
