@@ -114,12 +114,12 @@ def main() -> None:
 def write_section(results: dict) -> None:
     """The BENCHMARKS.md section: every row of ``results``, smallest model first."""
     rows = sorted(results.values(), key=lambda r: (r["disk_bytes"], r["method"], r["mode"] != "stream"))
-    body = (f"Rows from `benchmarks/memory_results.json`, each measured by the command in its last column, on "
-            f"the CPU after its date, OMP_NUM_THREADS=1. W4 of bf16 shards (g128; g64 for SmolLM2); peak RSS as the quantize "
-            f"process reports it (its VmHWM); \"RSS / disk\" against the bf16 size on disk; the decode check loads "
-            f"the output and decodes greedily through compound's loop (8 tokens after a 6-token prompt; checks dated "
-            f"before 2026-12-04 counted the packing of every int4 weight, about 30 s for the 3B, in that time: the "
-            f"section \"Decode speed against model size\" measures decoding).\n\n"
+    body = ("Rows from `benchmarks/memory_results.json`, each measured by the command in its last column, on "
+            "the CPU after its date, OMP_NUM_THREADS=1. W4 of bf16 shards (g128; g64 for SmolLM2); peak RSS as the quantize "
+            "process reports it (its VmHWM); \"RSS / disk\" against the bf16 size on disk; the decode check loads "
+            "the output and decodes greedily through compound's loop (8 tokens after a 6-token prompt; checks dated "
+            "before 2026-12-04 counted the packing of every int4 weight, about 30 s for the 3B, in that time: the "
+            "section \"Decode speed against model size\" measures decoding).\n\n"
             + markdown_table(COLUMNS, [_cells(r) for r in rows]) + _target_line(results))
     print(body)
     update_section("Quantizing models larger than memory", body)
