@@ -75,6 +75,16 @@ def test_loss_goes_down(tmp_path):
     assert after[2]["correct_0"] >= before[2]["correct_0"] + 8
 
 
+def test_padding_to_a_multiple_leaves_the_loss_alone():
+    """collate rounds batch lengths up (for the allocator); the padded tail is masked and after every sequence."""
+    target, data, loss_fn, count_fn = setup()
+    head = new_head(target)
+    with torch.no_grad():
+        tight, padded = loss_fn(head, collate(data[:4], multiple=1)), loss_fn(head, collate(data[:4], multiple=128))
+    assert torch.allclose(tight[0], padded[0], rtol=1e-5)
+    assert count_fn(collate(data[:4], multiple=1)) == count_fn(collate(data[:4], multiple=128))
+
+
 def test_resume_is_bit_identical(tmp_path):
     target, data, loss_fn, count_fn = setup()
     whole = new_head(target)

@@ -59,17 +59,27 @@ def mean_loss(model, data) -> float:
     return float(loss_sum.detach()) / count
 
 
-def test_collate_pads_every_key_with_zeros():
+def test_collate_pads_every_key_with_zeros_to_a_multiple():
     data = chain_data(3)
-    batch = collate(data)
+    batch = collate(data, multiple=16)
     longest = max(len(e["input_ids"]) for e in data)
-    assert batch["input_ids"].shape == (3, longest) and batch["hidden"].shape == (3, longest, HIDDEN)
+    padded = -(-longest // 16) * 16
+    assert padded > longest  # the rounding is exercised
+    assert batch["input_ids"].shape == (3, padded) and batch["hidden"].shape == (3, padded, HIDDEN)
+    assert collate(data, multiple=1)["input_ids"].shape == (3, longest)
     assert batch["loss_mask"].dtype == torch.bool
     for row, example in enumerate(data):
         length = len(example["input_ids"])
         assert torch.equal(batch["hidden"][row, :length], example["hidden"])
         assert not batch["loss_mask"][row, length:].any() and not batch["input_ids"][row, length:].any()
         assert not batch["hidden"][row, length:].any()
+
+
+def test_padding_to_a_multiple_leaves_the_medusa_loss_alone():
+    data, model = chain_data(6), new_heads()
+    with torch.no_grad():
+        tight, padded = loss_fn(model, collate(data, multiple=1)), loss_fn(model, collate(data, multiple=128))
+    assert torch.allclose(tight[0], padded[0], rtol=1e-5) and tight[1] == padded[1]
 
 
 def test_global_batches_walk_every_example_once_per_epoch():
