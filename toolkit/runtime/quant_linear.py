@@ -129,10 +129,10 @@ class QuantLinear(nn.Module):
 
     def takes_cpu_int4(self) -> bool:
         """Whether a CPU forward of few rows runs torch's int4 op (backend, bits, group and width allow it)."""
-        return (self.backend in ("auto", "cpu-int4") and self.qweight_device().type == "cpu"
+        return (self.backend in ("auto", "cpu-int4") and self.packed_device().type == "cpu"
                 and not backend_problem("cpu-int4", self.bits, self.group_size, self.in_features))
 
-    def qweight_device(self) -> torch.device:
+    def packed_device(self) -> torch.device:
         """The device the packed tensors live on."""
         return getattr(self, self.suffixes[0]).device
 
