@@ -1,5 +1,5 @@
 """Mixture-of-Experts (``toolkit.experts``): the per-expert view of transformers' fused experts, calibration on routed
-or on every token, the round-to-nearest policy for experts routed too few tokens, routers kept in float and named in
+or on every token, each expert's rows weighed by their routing weight, the round-to-nearest policy for experts routed too few tokens, routers kept in float and named in
 every format's list of unquantized modules, Mixtral's Hub block name, streaming a MoE model layer by layer, and
 compressed-tensors' own decompressor reproducing every expert's weights bit for bit.
 
@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import byte_tokenizer, tiny_model
-from toolkit.experts import ExpertLinears, every_token, unfuse_experts
+from toolkit.experts import ExpertLinears, every_token, moe_layout, unfuse_experts, weighing_rows
 from toolkit.formats.checkpoint import read_tensors
 from toolkit.quant.configs import make_config
 from toolkit.quant.primitives import quantize_rtn
@@ -74,6 +74,78 @@ def test_every_token_feeds_every_expert_all_tokens_and_keeps_the_routing():
     assert rows == {e: 10 for e in range(4)}
     torch.testing.assert_close(everyone, routed, rtol=0, atol=1e-6)
     assert not block.experts.every_token  # restored
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])  # renormalised top-k, and plain top-k softmax
+@pytest.mark.parametrize("everyone", [False, True])
+def test_weighing_rows_gives_each_expert_row_the_weight_its_output_gets(model_type, everyone):
+    model = unfuse_experts(tiny_model(model_type, vocab=256))
+    layer = model.model.layers[0]
+    block = layer.mlp
+    x = torch.randn(1, 10, 64, generator=torch.Generator().manual_seed(2))
+    seen = {}
+    hooks = [expert.get_submodule(expert.names[2]).register_forward_pre_hook(
+        lambda m, a, e=e, expert=expert: seen.__setitem__(e, (a[0].shape[0], expert.row_weights)))
+        for e, expert in enumerate(block.experts)]
+    with torch.no_grad():
+        logits, scores, index = block.gate(x.reshape(-1, 64))  # the router, called as the block calls it
+        with every_token(layer, everyone), weighing_rows(layer, moe_layout(model)):
+            block(x)
+    for h in hooks:
+        h.remove()
+    probs = torch.softmax(logits.float(), dim=-1)
+    for e in range(len(block.experts)):
+        token, slot = torch.where(index == e)
+        expected = torch.zeros(10)
+        expected[token] = scores[token, slot].float()  # a routed token: the weight the block gives its output
+        rows, got = seen[e]
+        if everyone:
+            # every token; one not routed to e gets what it would have had: p_e scaled as its routed weights are
+            unrouted = torch.ones(10, dtype=torch.bool)
+            unrouted[token] = False
+            scale = scores.float().sum(-1) / probs.gather(1, index).sum(-1)
+            expected[unrouted] = (probs[:, e] * scale)[unrouted]
+            assert rows == 10
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+        else:
+            order = torch.where((index == e).T)[1]  # the rows in the order the expert reads them
+            assert rows == len(order)
+            torch.testing.assert_close(got, expected[order], rtol=0, atol=0)
+    assert block.experts.router_probs is None and all(expert.row_weights is None for expert in block.experts)
+
+
+@pytest.mark.parametrize("mode", ["routed", "all"])
+def test_an_experts_gptq_hessian_weighs_each_token_by_its_routing_weight(mode):
+    from toolkit.engine.loop import quantize_layers
+    from toolkit.methods import gptq
+
+    model = unfuse_experts(tiny_model("mixtral", vocab=256))
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    checked = []
+
+    def driver(session):
+        if session.index == 0:
+            name = "mlp.experts.1.w1"
+            got = gptq._hessians(session, [[name]])[name]
+            block_inputs = []
+            session.collect(["mlp"], lambda n, args, kwargs: block_inputs.append(args[0].reshape(-1, 64)))
+            x = torch.cat(block_inputs)
+            with torch.no_grad():
+                logits, scores, index = session.layer.mlp.gate(x)
+            probs = torch.softmax(logits.float(), dim=-1)
+            token, slot = torch.where(index == 1)
+            if mode == "routed":
+                x, weights = x[token], scores[token, slot]
+            else:  # every token, at the weight expert 1's output would get
+                weights = probs[:, 1] * scores.sum(-1) / probs.gather(1, index).sum(-1)
+            expected = 2 / len(x) * (x * weights[:, None]).T @ (x * weights[:, None])
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+            checked.append(mode)
+        return {}
+
+    config = make_config("gptq", bits=4, group_size=32, moe_calibration=mode)
+    quantize_layers(model, config, driver, tokens, lambda *a: None, batch_size=1)
+    assert checked == [mode]
 
 
 def expert_codes_equal_rtn(directory, config) -> tuple[int, int]:

@@ -11,6 +11,12 @@ Routing is the model's own (its router module picks each token's experts and wei
 expert on its routed tokens, in transformers' order of experts and slots, so outputs match the fused module's. For
 calibration, ``every_token`` makes every expert also read every other token (its statistics then cover all tokens,
 what llm-compressor calls calibrating all experts) while the block's output keeps the true routing.
+
+A block's output is Σₑ wₑ(t)·expertₑ(x_t) over the experts routed token t, so an error in expert e's output on token
+t weighs wₑ(t)² in the layer's output error. ``weighing_rows`` makes each expert record the routing weight of every
+row it reads (``ExpertMLP.row_weights``), for statistics weighted the same way: a routed row gets the weight the block
+gives it; under ``every_token`` a row not routed to e gets the weight it would have had, pₑ(t)·Σ w(t) / Σ_routed p(t)
+with p the router's softmax (for a routed row this is its own weight).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from toolkit.architectures import Experts, family
 
 class ExpertMLP(nn.Module):
     """One expert: ``down(act(gate(x)) · up(x))``, its linears registered under the family's projection names."""
+
+    row_weights: torch.Tensor | None = None  # while weighing: the routing weight [rows] of each row it reads
 
     def __init__(self, projections: tuple[str, str, str], gate: nn.Linear, up: nn.Linear, down: nn.Linear, act):
         super().__init__()
@@ -45,9 +53,13 @@ class ExpertLinears(nn.ModuleList):
     ``(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) → [T, H]``.
 
     every_token: each expert runs on all T tokens (each through a view of its own, so that tracing sees one input per
-    expert), and its output is kept only on the tokens routed to it."""
+    expert), and its output is kept only on the tokens routed to it. router_probs: while ``weighing_rows`` is active,
+    the router's softmax [T, E] of the current call (set by a hook on the router), from which every expert's
+    ``row_weights`` are set before it runs."""
 
     every_token: bool = False
+    weighing: bool = False
+    router_probs: torch.Tensor | None = None
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -55,13 +67,26 @@ class ExpertLinears(nn.ModuleList):
         for e, expert in enumerate(self):
             slot, token = torch.where((top_k_index == e).T)  # slot-major, as transformers orders them
             if self.every_token:
+                if self.weighing:
+                    expert.row_weights = self._weights_of_every_token(e, top_k_index, top_k_weights)
                 y = expert(hidden_states.view_as(hidden_states))[token]
             elif token.numel():
+                if self.weighing:
+                    expert.row_weights = top_k_weights[token, slot].float()
                 y = expert(hidden_states[token])
             else:
                 continue
             out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
         return out
+
+
+    def _weights_of_every_token(self, e: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The weight expert ``e``'s output would get on each token: pₑ(t) scaled as the routed weights are."""
+        if self.router_probs is None:
+            raise RuntimeError("weighing every token's row needs the router's probabilities (see weighing_rows)")
+        probs = self.router_probs
+        scale = top_k_weights.float().sum(-1) / probs.gather(1, top_k_index).sum(-1)
+        return probs[:, e] * scale
 
 
 def moe_layout(model: nn.Module) -> Experts | None:
@@ -111,6 +136,31 @@ def every_token(module: nn.Module, on: bool = True) -> Iterator[None]:
     finally:
         for b, state in zip(blocks, before):
             b.every_token = state
+
+
+@contextlib.contextmanager
+def weighing_rows(layer: nn.Module, layout: Experts | None) -> Iterator[None]:
+    """While active, every expert of decoder layer ``layer`` records the routing weight of each row it reads
+    (``ExpertMLP.row_weights``; see the module's docstring); nothing for a dense layer."""
+    blocks = [m for m in layer.modules() if isinstance(m, ExpertLinears)]
+    if layout is None or not blocks:
+        yield
+        return
+    (block,) = blocks  # one Mixture-of-Experts block per decoder layer
+
+    def keep_probs(module, args, output):
+        logits = output[0] if isinstance(output, tuple) else output
+        block.router_probs = torch.softmax(logits.reshape(-1, logits.shape[-1]).float(), dim=-1)
+
+    hook = layer.get_submodule(layout.routers[0]).register_forward_hook(keep_probs)
+    block.weighing = True
+    try:
+        yield
+    finally:
+        hook.remove()
+        block.weighing, block.router_probs = False, None
+        for expert in block:
+            expert.row_weights = None
 
 
 def expert_index(name: str) -> int | None:

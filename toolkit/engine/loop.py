@@ -17,6 +17,8 @@ the engine counts the calibration tokens routed to each expert. With ``moe_calib
 every token while the driver collects its statistics (the layer's output keeps the true routing); with ``routed``,
 an expert routed fewer than ``moe_min_tokens`` tokens (or none) is listed in ``LayerSession.sparse``, and drivers
 round its linears to nearest. Tracing always runs every expert on every token, so every expert's linears are traced.
+While the driver runs, each expert records the routing weight of every row it reads (``LayerSession.row_weights``),
+for statistics that weigh a token as the layer's output does (GPTQ's Hessians).
 
 Nothing non-finite gets through: each layer's weights are checked when it is loaded, each linear's scales when its
 driver returns them, and the activations after the embeddings and after every layer (``NonFiniteError``, naming the
@@ -46,7 +48,7 @@ from torch import nn
 from toolkit.architectures import Family
 from toolkit.engine.heap import trim_heap
 from toolkit.engine.offload import DiskActivations
-from toolkit.experts import ExpertLinears, every_token, expert_index
+from toolkit.experts import ExpertLinears, every_token, expert_index, weighing_rows
 from toolkit.models import arch_spec, decoder_layers, layer_linears
 from toolkit.quant.configs import WeightQuantConfig
 from toolkit.quant.finite import NonFiniteError, all_finite
@@ -117,6 +119,13 @@ class LayerSession:
         if blocks:
             self.collect(blocks, seen)
         return {f"{n}.{e}": int(c) for n, block in counts.items() for e, c in enumerate(block.tolist())}
+
+    def row_weights(self, linear: str) -> torch.Tensor | None:
+        """The routing weight of each row an expert's linear just read (``toolkit.experts.weighing_rows``, active
+        while the driver runs), None for a linear outside the experts."""
+        if expert_index(linear) is None:
+            return None
+        return self.layer.get_submodule(linear.rpartition(".")[0]).row_weights
 
     def collect(
         self,
@@ -395,7 +404,7 @@ def quantize_layers(
             if routed is not None:
                 routed.update({f"{prefix}.{index}.{e}": c for e, c in counts.items()})
         with torch.no_grad():
-            with every_token(layer, everyone):
+            with every_token(layer, everyone), weighing_rows(layer, session.arch.experts):
                 results = driver(session)
             for name, qweight in results.items():
                 _check_finite_scales(qweight, f"{prefix}.{index}.{name}", config)

@@ -9,6 +9,7 @@ Steps for one decoder layer (the math is ``toolkit.quant.awq``):
      then fold the scales into the preceding module and the group's input columns. Folding keeps the float layer's
      outputs, so the only activations that change are the group's own input, which is divided by s in place of a
      recollection. A linear→linear group whose widths differ (v→o under GQA) is skipped, as AutoAWQ does.
+     An expert's rows weigh as much as its output does in the layer's (its routing weight; ``_capture``).
   3. Per linear: search the clipping range (not for q/k, whose error reaches the output through softmax(q·k), which
      a per-linear error does not measure; AutoAWQ skips them too), quantize, and record the relative output error.
 
@@ -237,15 +238,21 @@ def _input_readers(session: LayerSession) -> dict[str, str]:
 def _capture(
     session: LayerSession, linears: list[str], blocks: list[str]
 ) -> tuple[dict[str, torch.Tensor], dict[str, list[tuple[tuple, dict]]]]:
-    """Inputs of ``linears`` as float32 [T, K] and the (args, kwargs) of every call into ``blocks``."""
+    """Inputs of ``linears`` as float32 [T, K] and the (args, kwargs) of every call into ``blocks``. An expert's rows
+    are scaled by their routing weight (``LayerSession.row_weights``), so that its statistics, clip search and error
+    weigh each token as the layer's output does."""
     seen: dict[str, list] = {name: [] for name in [*linears, *blocks]}
 
     def keep(name, args, kwargs):
-        seen[name].append(args[0] if name in linears else (args, dict(kwargs)))
+        if name not in linears:
+            seen[name].append((args, dict(kwargs)))
+            return
+        x, weights = args[0].reshape(-1, args[0].shape[-1]).float(), session.row_weights(name)
+        seen[name].append(x if weights is None else x * weights.reshape(-1, 1).to(x))
 
     session.collect([*linears, *blocks], keep)
-    X = {name: torch.cat([x.reshape(-1, x.shape[-1]).float() for x in seen[name]]) if seen[name]  # an expert may
-         else torch.empty(0, session.linears[name].in_features) for name in linears}  # receive no token
+    X = {name: torch.cat(seen[name]) if seen[name]  # an expert may receive no token
+         else torch.empty(0, session.linears[name].in_features) for name in linears}
     return X, {name: seen[name] for name in blocks}
 
 

@@ -1,7 +1,8 @@
 """GPTQ layer driver: Hessians from what the layer's linears read on the calibration data, then
 ``toolkit.quant.gptq`` on each linear.
 
-Linears that read the same tensor (q/k/v; gate/up) share one Hessian, accumulated and factored once (the Hessian is
+An expert's Hessian weighs each token by the square of the routing weight its output gets (``LayerSession.row_weights``):
+the layer's output error on that token scales by it. Linears that read the same tensor (q/k/v; gate/up) share one Hessian, accumulated and factored once (the Hessian is
 freed as soon as its factor exists: at K = 8192 each K×K matrix is 268 MB). With ``true_sequential``
 the groups are taken in execution order and each group's Hessian is collected after the previous groups were
 quantized and written back, so o_proj is fitted to the inputs the quantized q/k/v produce (as in the reference
@@ -66,7 +67,7 @@ def _hessians(session: LayerSession, groups: list[list[str]], keep: bool = False
                 f"NaN or infinite activations entering {name} of decoder layer {session.index}; the model or its "
                 f"dtype overflows on the calibration data (try --dtype float32, or check the checkpoint)"
             )
-        accumulators[name].add(X)
+        accumulators[name].add(X, session.row_weights(name))
 
     session.collect_linear_inputs(accumulators, on_input, keep=keep)
     hessians = {}

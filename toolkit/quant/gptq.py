@@ -59,9 +59,12 @@ class HessianAccumulator:
         self._block = max(_BLOCK_COLUMNS, -(-in_features // 8))
         self.tokens = 0
 
-    def add(self, X: torch.Tensor) -> None:
-        """Fold in activations X [..., K] (flattened to [tokens, K])."""
+    def add(self, X: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        """Fold in activations X [..., K] (flattened to [tokens, K]); ``weights`` [tokens]: each token's xxᵀ counts
+        weights² times (a token whose output error the model scales by w)."""
         X = X.reshape(-1, X.shape[-1]).float()  # (tokens, K)
+        if weights is not None:
+            X = X * weights.reshape(-1, 1).to(X)
         total = self.tokens + X.shape[0]
         if total == self.tokens:
             return
