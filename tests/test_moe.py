@@ -114,6 +114,21 @@ def test_weighing_rows_gives_each_expert_row_the_weight_its_output_gets(model_ty
     assert block.experts.router_probs is None and all(expert.row_weights is None for expert in block.experts)
 
 
+def test_experts_run_without_their_router_record_no_stale_weights():
+    """AWQ's scale search calls the experts module on captured inputs, with no router call before: the router's
+    probabilities of an earlier forward (of another token count) must not be reused."""
+    model = unfuse_experts(tiny_model("mixtral", vocab=256))
+    layer = model.model.layers[0]
+    x = torch.randn(1, 10, 64, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        _, scores, index = layer.mlp.gate(x[0, :6])
+    with torch.no_grad(), every_token(layer), weighing_rows(layer, moe_layout(model)):
+        layer.mlp(x)
+        direct = layer.mlp.experts(x[0, :6], index, scores)  # six tokens, no router hook before it
+        assert all(expert.row_weights is None for expert in layer.mlp.experts)
+    torch.testing.assert_close(direct, layer.mlp(x[:, :6]).reshape(6, 64))
+
+
 @pytest.mark.parametrize("mode", ["routed", "all"])
 def test_an_experts_gptq_hessian_weighs_each_token_by_its_routing_weight(mode):
     from toolkit.engine.loop import quantize_layers

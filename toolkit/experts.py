@@ -54,8 +54,8 @@ class ExpertLinears(nn.ModuleList):
 
     every_token: each expert runs on all T tokens (each through a view of its own, so that tracing sees one input per
     expert), and its output is kept only on the tokens routed to it. router_probs: while ``weighing_rows`` is active,
-    the router's softmax [T, E] of the current call (set by a hook on the router), from which every expert's
-    ``row_weights`` are set before it runs."""
+    the router's softmax [T, E] for the next call (set by a hook on the router, used up by that call), from which
+    every expert's ``row_weights`` are set before it runs."""
 
     every_token: bool = False
     weighing: bool = False
@@ -64,11 +64,12 @@ class ExpertLinears(nn.ModuleList):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)
+        probs, self.router_probs = self.router_probs, None  # the router's, for this call only
         for e, expert in enumerate(self):
             slot, token = torch.where((top_k_index == e).T)  # slot-major, as transformers orders them
             if self.every_token:
                 if self.weighing:
-                    expert.row_weights = self._weights_of_every_token(e, top_k_index, top_k_weights)
+                    expert.row_weights = self._weights_of_every_token(e, probs, top_k_index, top_k_weights)
                 y = expert(hidden_states.view_as(hidden_states))[token]
             elif token.numel():
                 if self.weighing:
@@ -79,12 +80,13 @@ class ExpertLinears(nn.ModuleList):
             out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
         return out
 
-
-    def _weights_of_every_token(self, e: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        """The weight expert ``e``'s output would get on each token: pₑ(t) scaled as the routed weights are."""
-        if self.router_probs is None:
-            raise RuntimeError("weighing every token's row needs the router's probabilities (see weighing_rows)")
-        probs = self.router_probs
+    @staticmethod
+    def _weights_of_every_token(e: int, probs: torch.Tensor | None, top_k_index: torch.Tensor,
+                                top_k_weights: torch.Tensor) -> torch.Tensor | None:
+        """The weight expert ``e``'s output would get on each token: pₑ(t) scaled as the routed weights are; None
+        when no router ran before this call (a caller running the experts directly, as AWQ's scale search does)."""
+        if probs is None:
+            return None
         scale = top_k_weights.float().sum(-1) / probs.gather(1, top_k_index).sum(-1)
         return probs[:, e] * scale
 

@@ -125,7 +125,11 @@ class LayerSession:
         while the driver runs), None for a linear outside the experts."""
         if expert_index(linear) is None:
             return None
-        return self.layer.get_submodule(linear.rpartition(".")[0]).row_weights
+        weights = self.layer.get_submodule(linear.rpartition(".")[0]).row_weights
+        if weights is None:
+            raise RuntimeError(f"{linear} of decoder layer {self.index} ran with no routing weights recorded: its "
+                               "statistics must come from a forward of the whole layer while the driver runs")
+        return weights
 
     def collect(
         self,
