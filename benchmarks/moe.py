@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -86,6 +87,13 @@ def last_error(log: Path) -> str:
     lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
     errors = [line for line in lines if "Error" in line or "error:" in line or line.startswith("SystemExit")]
     return (errors or lines or ["(empty log)"])[-1][:400]
+
+
+def estimate_cell(out: Path) -> str:
+    """The memory estimate (MiB) a compound run printed in its summary (its log beside the checkpoint)."""
+    log = out.parent / f"{out.name}.log"
+    found = re.search(r"^memory estimate\s+(\d+) MiB", log.read_text(errors="replace"), re.MULTILINE)
+    return found.group(1) if found else "–"
 
 
 def experts_cell(out: Path) -> tuple[str, str]:
@@ -223,13 +231,15 @@ def main() -> None:
             del model
             scores.write_text(json.dumps(vars(d)))
         per_expert, rounded = experts_cell(out) if tool == "compound" else ("–", "–")
+        estimate = estimate_cell(out) if tool == "compound" else "–"
         raw.append({"tool": tool, "method": method, "label": label, "seconds": seconds, "peak_rss_mib": rss,
-                    "tokens_per_expert": per_expert, "rounded_to_nearest": rounded, **vars(d)})
-        rows.append([tool, label, f"{seconds:.0f}", f"{rss:.0f}", f"{d.perplexity:.3f}",
+                    "memory_estimate_mib": estimate, "tokens_per_expert": per_expert, "rounded_to_nearest": rounded,
+                    **vars(d)})
+        rows.append([tool, label, f"{seconds:.0f}", f"{rss:.0f}", estimate, f"{d.perplexity:.3f}",
                      f"{d.perplexity - d.base_perplexity:+.3f}", f"{d.kl:.4f}", f"{100 * d.top1_agreement:.1f}%",
                      per_expert, rounded])
         print(" | ".join(rows[-1]), flush=True)
-    columns = ["tool", "method (calibration)", "wall s", "peak RSS MiB", "perplexity", "Δ vs float", "KL (nats)",
+    columns = ["tool", "method (calibration)", "wall s", "peak RSS MiB", "estimate MiB", "perplexity", "Δ vs float", "KL (nats)",
                "top-1 agree", "tokens per expert min / median / max", "experts RTN'd"]
     table = markdown_table(columns, rows)
     base_ppl = raw[0]["base_perplexity"] if raw else float("nan")
@@ -253,12 +263,14 @@ def main() -> None:
         f"fingerprint checked), {args.windows}×{args.seq_len} held-out windows ({raw[0]['tokens'] if raw else 0} "
         f"scored tokens); float perplexity {base_ppl:.3f}. Each tool in its own process on one thread, on "
         f"{cpu_name()}; "
-        "wall times and RSS measured beside other work (two other engineers' tests and builds shared the 2 cores), "
-        "so they are not quiet timings. Tokens per expert: calibration tokens routed to each of the 120 experts "
+        "what ran beside them is in the note below the table. Estimate: the memory estimate compound printed before "
+        "quantizing. Tokens per expert: calibration tokens routed to each of the 120 experts "
         "(under `all` every expert also reads every other token for its statistics; the counts are the routed "
         "ones). Peers at their MoE defaults: llm-compressor linearizes transformers' fused experts itself and "
         "calibrates every expert on every token (`moe_calibrate_all_experts=True`, like compound's `all`); GPTQModel "
-        "(`moe=None`) calibrates each expert on the tokens routed to it (like `routed`).\n\n"
+        "(`moe=None`) calibrates each expert on the tokens routed to it (like `routed`). compound weighs each "
+        "token in an expert's statistics by the routing weight its output gets (under `all`, a token not routed to "
+        "the expert by the weight it would have had); neither peer weighs them.\n\n"
         f"{table}\n\n" + "\n".join(findings(raw) + failures + skipped) + "\n\n"
         + (args.note + "\n\n" if args.note else "") +
         "Caveat: SmolLM2's weights come from a Q4_1 GGUF file (asymmetric 4-bit, groups of 32), so asymmetric RTN at "
