@@ -239,8 +239,8 @@ def main() -> None:
                      f"{d.perplexity - d.base_perplexity:+.3f}", f"{d.kl:.4f}", f"{100 * d.top1_agreement:.1f}%",
                      per_expert, rounded])
         print(" | ".join(rows[-1]), flush=True)
-    columns = ["tool", "method (calibration)", "wall s", "peak RSS MiB", "estimate MiB", "perplexity", "Δ vs float", "KL (nats)",
-               "top-1 agree", "tokens per expert min / median / max", "experts RTN'd"]
+    columns = ["tool", "method (calibration)", "wall s", "peak RSS MiB", "estimate MiB", "perplexity", "Δ vs float",
+               "KL (nats)", "top-1 agree", "tokens per expert min / median / max", "experts RTN'd"]
     table = markdown_table(columns, rows)
     base_ppl = raw[0]["base_perplexity"] if raw else float("nan")
     left = [m for m in ("rtn", "gptq", "awq", "awq+gptq") if m not in methods]

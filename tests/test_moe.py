@@ -1,7 +1,8 @@
 """Mixture-of-Experts (``toolkit.experts``): the per-expert view of transformers' fused experts, calibration on routed
-or on every token, each expert's rows weighed by their routing weight, the round-to-nearest policy for experts routed too few tokens, routers kept in float and named in
-every format's list of unquantized modules, Mixtral's Hub block name, streaming a MoE model layer by layer, and
-compressed-tensors' own decompressor reproducing every expert's weights bit for bit.
+or on every token, each expert's rows weighed by their routing weight, the round-to-nearest policy for experts routed
+too few tokens, routers kept in float and named in every format's list of unquantized modules, Mixtral's Hub block
+name, streaming a MoE model layer by layer, and compressed-tensors' own decompressor reproducing every expert's
+weights bit for bit.
 
 Every family runs through every method and format in ``tests/test_family_matrix.py``; these are the MoE specifics."""
 

@@ -18,7 +18,7 @@ every token while the driver collects its statistics (the layer's output keeps t
 an expert routed fewer than ``moe_min_tokens`` tokens (or none) is listed in ``LayerSession.sparse``, and drivers
 round its linears to nearest. Tracing always runs every expert on every token, so every expert's linears are traced.
 While the driver runs, each expert records the routing weight of every row it reads (``LayerSession.row_weights``),
-for statistics that weigh a token as the layer's output does (GPTQ's Hessians).
+for statistics that weigh a token as the layer's output does (GPTQ's Hessians, AWQ's statistics).
 
 Nothing non-finite gets through: each layer's weights are checked when it is loaded, each linear's scales when its
 driver returns them, and the activations after the embeddings and after every layer (``NonFiniteError``, naming the

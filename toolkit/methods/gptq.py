@@ -1,16 +1,16 @@
 """GPTQ layer driver: Hessians from what the layer's linears read on the calibration data, then
 ``toolkit.quant.gptq`` on each linear.
 
-An expert's Hessian weighs each token by the square of the routing weight its output gets (``LayerSession.row_weights``):
-the layer's output error on that token scales by it. Linears that read the same tensor (q/k/v; gate/up) share one Hessian, accumulated and factored once (the Hessian is
-freed as soon as its factor exists: at K = 8192 each K×K matrix is 268 MB). With ``true_sequential``
-the groups are taken in execution order and each group's Hessian is collected after the previous groups were
-quantized and written back, so o_proj is fitted to the inputs the quantized q/k/v produce (as in the reference
-``--true-sequential``); the inputs of o_proj and down_proj are kept as they are collected, so the later passes and
-the engine's final forward take attention's and the MLP's outputs from those linears alone (``LayerSession``
-replay). Without it, one pass collects every Hessian from the float layer. Under torchrun each rank
-accumulates over its share of the calibration batches and the Hessians are averaged over ranks (weighted by tokens)
-before factoring, so every rank quantizes with the whole batch's Hessian.
+An expert's Hessian weighs each token by the square of the routing weight its output gets
+(``LayerSession.row_weights``): the layer's output error on that token scales by it. Linears that read the same
+tensor (q/k/v; gate/up) share one Hessian, accumulated and factored once (the Hessian is freed as soon as its factor
+exists: at K = 8192 each K×K matrix is 268 MB). With ``true_sequential`` the groups are taken in execution order and
+each group's Hessian is collected after the previous groups were quantized and written back, so o_proj is fitted to
+the inputs the quantized q/k/v produce (as in the reference ``--true-sequential``); the inputs of o_proj and
+down_proj are kept as they are collected, so the later passes and the engine's final forward take attention's and the
+MLP's outputs from those linears alone (``LayerSession`` replay). Without it, one pass collects every Hessian from
+the float layer. Under torchrun each rank accumulates over its share of the calibration batches and the Hessians are
+averaged over ranks (weighted by tokens) before factoring, so every rank quantizes with the whole batch's Hessian.
 """
 
 from __future__ import annotations
