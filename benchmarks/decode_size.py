@@ -4,21 +4,26 @@ At batch 1 a decode step reads every weight once, so its time cannot fall below 
 bandwidth). For each model of ``benchmarks/random_llama.py`` (SmolLM2 at W4 g64, whose width 576 no 128 divides;
 the random ~1B and ~3B Llamas at W4 g128), quantized once with ``compound quantize --method rtn --stream``, a child
 process per (model, threads) loads the checkpoint the way ``compound decode`` does (fp32 float tensors, int4 linears
-on torch's CPU op, the rescored bf16 LM head of greedy decoding), and measures:
+on the CPU int4 kernel, compound's AVX512-BF16 one where the CPU has it, else torch's op; the rescored bf16 LM head of
+greedy decoding), and measures:
 
-- load: ``load_quantized`` to a ready ``Decoder`` (int4 weights packed for torch's op, the bf16 head copy made);
+- load: ``load_quantized`` to a ready ``Decoder`` (int4 weights packed for the kernel, the bf16 head copy made);
 - prefill: the chat-templated prompt of ``PROMPT`` (about 40 tokens) in one forward;
 - step: the median of ``--tokens`` single-token greedy forwards after it (what tokens/s is the inverse of);
-- bytes per step: the packed int4 codes and their bf16 scale/zero pairs as the op reads them, the bf16 head, the
-  KV cache at the mean position; embedding row and norms are below 0.1 % and left out;
+- bytes per step: the packed int4 codes and their scales as the kernel reads them (compound's: fp32 scale and offset;
+  torch's: the scale/zero pairs in bf16), the bf16 head, the KV cache at the mean position; embedding row and norms
+  are below 0.1 % and left out;
 - bandwidth: the best of five ``torch.sum`` over a 1 GiB float32 tensor with the same threads (a read-only stream,
   the pattern a decode step is);
-- where a step's time goes: torch's profiler over eight steps, self CPU time by op.
+- where a step's time goes: torch's profiler over eight steps, self CPU time by op, with every ``int4_mm_cpu`` call
+  labelled ``int4_mm_cpu`` (compound's kernel is a pybind11 call, which the profiler does not see on its own); the
+  "int4 op" column is that label's total time.
 
 bound = bandwidth / bytes per step; ratio = bound / measured tokens/s (1.0 is the bound; issue #28 asks for at most
 2). Nothing else may run during a measurement (the table header prints the load average).
 
-    python benchmarks/decode_size.py [--sizes smollm2,1b,3b] [--threads 1,2] [--tokens 32] [--no-write]
+    python benchmarks/decode_size.py [--sizes smollm2,1b,3b] [--threads 1,2] [--kernels avx512-bf16,torch]
+                                     [--tokens 32] [--no-write]
 """
 
 from __future__ import annotations
@@ -39,10 +44,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from random_llama import SIZES, make_model  # noqa: E402
 from report import cpu_name, markdown_table, update_section  # noqa: E402
 
+from toolkit.runtime.cpu_int4 import available_kernels  # noqa: E402
+
 CACHE = ROOT / "benchmarks" / ".cache" / "decode-size"
 PROMPT = "Explain what a Python list comprehension is, with an example."
 SECTION = "Decode speed against model size (CPU, W4, batch 1)"
-INT4_OP = "aten::_weight_int4pack_mm_for_cpu"
+INT4_LABEL = "int4_mm_cpu"  # profiler label of every CPU int4 matmul (see ``measure``)
 
 
 def group_size(size: str) -> int:
@@ -79,7 +86,8 @@ def step_bytes(decoder, position: int) -> dict[str, int]:
         for group in (layer.qkv, layer.gate_up):
             packs += [group._int4] if group._int4 is not None else [m._int4 for m in group.linears]
         packs += [layer.o_proj._int4, layer.down_proj._int4]
-        weights += sum(p.packed.nbytes + p.scale_and_zero.numel() * 2 for p in packs)  # scale/zero read in bf16
+        weights += sum(p.packed.nbytes + (p.scales.numel() * 2 if p.offsets is None  # torch: scale/zero in bf16
+                                          else p.scales.nbytes + p.offsets.nbytes) for p in packs)
     head = decoder.lm_head
     head_bytes = getattr(head, "weight_bf16", head.weight).nbytes
     cache = decoder.cache
@@ -87,15 +95,18 @@ def step_bytes(decoder, position: int) -> dict[str, int]:
     return {"weights": weights, "head": head_bytes, "kv": kv}
 
 
-def measure(size: str, threads: int, tokens: int) -> dict:
-    """One child's measurement of ``size`` with ``threads`` torch threads (see the module docstring)."""
+def measure(size: str, threads: int, kernel: str, tokens: int) -> dict:
+    """One child's measurement of ``size`` with ``threads`` torch threads and the CPU int4 ``kernel`` (see the module
+    docstring)."""
     from transformers import AutoTokenizer
 
     from toolkit.calibration import chat_prompt_ids
     from toolkit.decode import Decoder
+    from toolkit.runtime import cpu_int4
     from toolkit.runtime.load import load_quantized
 
     torch.set_num_threads(threads)
+    cpu_int4.default_kernel = lambda: kernel  # what every QuantLinear packs for in this child
     path = checkpoint(size)
     started = time.perf_counter()
     model, tokenizer = load_quantized(path)
@@ -115,16 +126,25 @@ def measure(size: str, threads: int, tokens: int) -> dict:
             token = int(logits[-1].argmax())
             steps.append(time.perf_counter() - started)
             position += 1
+        int4_mm_cpu = cpu_int4.int4_mm_cpu  # callers import it at call time, so the label reaches every call
+
+        def labelled(*args, **kwargs):
+            with torch.profiler.record_function(INT4_LABEL):
+                return int4_mm_cpu(*args, **kwargs)
+
+        cpu_int4.int4_mm_cpu = labelled
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
             for _ in range(8):
                 logits, _ = decoder(torch.tensor([token]), position)
                 token = int(logits[-1].argmax())
                 position += 1
-    ops = sorted(((e.key, e.self_cpu_time_total) for e in profile.key_averages()), key=lambda kv: -kv[1])
+        cpu_int4.int4_mm_cpu = int4_mm_cpu
+    events = profile.key_averages()
+    ops = sorted(((e.key, e.self_cpu_time_total) for e in events), key=lambda kv: -kv[1])
     total = sum(t for _, t in ops)
-    int4_s = sum(t for name, t in ops if name == INT4_OP) / 1e6 / 8  # µs over 8 steps → s per step
+    int4_s = sum(e.cpu_time_total for e in events if e.key == INT4_LABEL) / 1e6 / 8  # µs over 8 steps → s per step
     return {"size": size, "threads": threads, "load_s": load_s, "prefill_s": prefill_s, "prompt": len(ids),
-            "step_s": statistics.median(steps), "bytes": step_bytes(decoder, len(ids) + tokens // 2),
+            "kernel": kernel, "step_s": statistics.median(steps), "bytes": step_bytes(decoder, len(ids) + tokens // 2),
             "bandwidth": read_bandwidth(), "int4_s": int4_s, "ops": [(name, t / total) for name, t in ops[:4]],
             "parameters": sum(p.numel() for p in model.parameters()) + sum(
                 m.in_features * m.out_features for m in model.modules() if hasattr(m, "packed"))}
@@ -136,7 +156,7 @@ def row(result: dict) -> list[str]:
     tokens_per_s = 1 / result["step_s"]
     bound = result["bandwidth"] / total
     ops = ", ".join(f"{name.removeprefix('aten::')} {share:.0%}" for name, share in result["ops"][:3])
-    return [result["size"], f"{result['parameters'] / 1e9:.2f} B", str(result["threads"]),
+    return [result["size"], f"{result['parameters'] / 1e9:.2f} B", str(result["threads"]), result["kernel"],
             f"{result['bytes']['weights'] / 1e6:.0f} + {result['bytes']['head'] / 1e6:.0f} + "
             f"{result['bytes']['kv'] / 1e6:.1f}", f"{result['bandwidth'] / 1e9:.1f}", f"{bound:.1f}",
             f"{tokens_per_s:.1f}", f"{bound / tokens_per_s:.2f}", f"{result['step_s'] * 1e3:.1f}",
@@ -144,7 +164,7 @@ def row(result: dict) -> list[str]:
             f"{result['prefill_s']:.2f}", f"{result['load_s']:.1f}", ops]
 
 
-COLUMNS = ["model", "parameters", "threads", "MB read per step (int4 weights + head + KV)", "read bandwidth (GB/s)",
+COLUMNS = ["model", "parameters", "threads", "int4 kernel", "MB read per step (int4 weights + head + KV)", "read bandwidth (GB/s)",
            "bound (tok/s)", "measured (tok/s)", "bound / measured", "step (ms)", "int4 op (GB/s in the step)", "prefill (s)", "load (s)",
            "self time by op (profiler, 8 steps)"]
 
@@ -170,12 +190,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="smollm2,1b,3b", help=f"comma-separated, of {', '.join(SIZES)}")
     parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
+    parser.add_argument("--kernels", default=",".join(available_kernels()),
+                        help="comma-separated CPU int4 kernels (default: every one this machine runs)")
     parser.add_argument("--tokens", type=int, default=32, help="timed decode steps per run")
-    parser.add_argument("--child", nargs=2, metavar=("SIZE", "THREADS"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=3, metavar=("SIZE", "THREADS", "KERNEL"), help=argparse.SUPPRESS)
     parser.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child[0], int(args.child[1]), args.tokens)))
+        print(json.dumps(measure(args.child[0], int(args.child[1]), args.child[2], args.tokens)))
         return
     sizes = args.sizes.split(",")
     for size in sizes:
@@ -183,13 +205,14 @@ def main() -> None:
     results = []
     for size in sizes:
         for threads in map(int, args.threads.split(",")):
-            env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-            child = subprocess.run([sys.executable, "-P", __file__, "--child", size, str(threads), "--tokens",
-                                    str(args.tokens)], env=env, capture_output=True, text=True)
-            if child.returncode:
-                sys.exit(f"{size}, {threads} threads failed:\n{child.stderr[-3000:]}")
-            results.append(json.loads(child.stdout.strip().splitlines()[-1]))
-            print(markdown_table(COLUMNS, [row(results[-1])]), flush=True)
+            for kernel in args.kernels.split(","):
+                env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+                child = subprocess.run([sys.executable, "-P", __file__, "--child", size, str(threads), kernel,
+                                        "--tokens", str(args.tokens)], env=env, capture_output=True, text=True)
+                if child.returncode:
+                    sys.exit(f"{size}, {threads} threads, {kernel} failed:\n{child.stderr[-3000:]}")
+                results.append(json.loads(child.stdout.strip().splitlines()[-1]))
+                print(markdown_table(COLUMNS, [row(results[-1])]), flush=True)
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
     body = (f"{cpu_name()}, torch {torch.__version__}, load average {load} after the runs, nothing else running. "
             f"Each checkpoint is `compound quantize --method rtn --bits 4 --stream` of a `benchmarks/random_llama.py` "

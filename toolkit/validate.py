@@ -8,7 +8,7 @@ will serving engines run it?
    through the model with every ``QuantLinear`` on the reference path (dequantize-then-matmul, fp32: the oracle),
    then on each faster path, compared by the largest |Δ logit| and top-1 agreement at every position:
 
-   - cpu-int4: every linear, every window (torch's int4 op, bf16 compute); passes with top-1 agreement ≥ 0.9 and
+   - cpu-int4: every linear, every window (the CPU int4 kernel, bf16 x); passes with top-1 agreement ≥ 0.9 and
      max |Δ logit| ≤ 10 % of max |logit|.
    - triton: on CUDA, every linear and every window; on CPU, Triton's interpreter in a child process, on the linears
      of the first ``triton_layers`` decoder layers (default 1, the others on the reference) and the first
@@ -129,7 +129,7 @@ def validate(directory: Path | str, *, dataset: str = "sharegpt", windows: int =
         "not checked")
     if seq_len > CPU_INT4_MAX_ROWS:
         raise ValueError(f"seq_len {seq_len} is above the {CPU_INT4_MAX_ROWS} rows up to which the cpu-int4 path runs "
-                         f"torch's int4 op (above, it runs the reference and would compare it with itself); "
+                         f"the CPU int4 kernel (above, it runs the reference and would compare it with itself); "
                          f"pass --seq-len {CPU_INT4_MAX_ROWS} or less")
     model, tokenizer = load_quantized(directory, torch.float32, backend="reference")  # 2
     _check_finite_tensors(directory)

@@ -1,30 +1,40 @@
-"""W4A16 on CPU through torch's own int4 kernel (``aten::_weight_int4pack_mm_for_cpu``), no Triton, no dense weight.
+"""W4A16 on CPU from the int4 codes, no Triton, no dense weight: compound's AVX512-BF16 kernel, or torch's int4 op.
 
-torch's convention (the "tinygemm" one, shared with ``_weight_int4pack_mm`` on CUDA): unsigned codes q in 0..15 and,
-per (group, output channel), a pair (scale, zero) in ``qScaleAndZeros`` [G, N, 2] with
+Two kernels (``KERNELS``), chosen per process by ``default_kernel`` (or per weight by ``prepare_int4_cpu(kernel=)``):
 
-    W[n, k] = (q[n, k] − 8) · scale + zero            ← torch: "zero" is an additive offset in float, not a code
+| kernel          | what multiplies                                                  | where                                 |
+|-----------------|------------------------------------------------------------------|---------------------------------------|
+| ``avx512-bf16`` | ``cpu_int4_avx512.cpp`` (built by ``cpu_int4_native``): codes    | x86 CPUs with AVX512-BF16 and a C++   |
+|                 | become bf16 128 + q, one ``vdpbf16ps`` per 16 columns × 2 inputs, | compiler; 1.4x (one thread) to 1.6x   |
+|                 | exact fp32 scale and offset per group; x rounded to bf16         | (two) torch's op at batch 1, faster   |
+|                 |                                                                  | at every batch measured (BENCHMARKS)  |
+| ``torch``       | ``aten::_weight_int4pack_mm_for_cpu`` (the "tinygemm" convention) | any CPU torch runs on                 |
 
-GPTQ, AWQ and compressed-tensors all store the integer zero point z (CT: zp + 8) with W = scale · (q − z), so
+Both read the integer zero point z of GPTQ, AWQ and compressed-tensors (CT: zp + 8) with W = scale · (q − z).
+
+avx512-bf16: ``W = scale·(128 + q) + offset`` with ``offset = −(z + 128)·scale`` per (group, column), computed in
+float64 and stored in fp32, so the weight is exact to fp32 rounding; ``_pack_avx512`` gives the code layout.
+
+torch: unsigned codes q in 0..15 and, per (group, output channel), a pair (scale, zero) in ``qScaleAndZeros``
+[G, N, 2] with ``W[n, k] = (q[n, k] − 8) · scale + zero`` (an additive offset in float, not a code), so
 
     scale · (q − z) = (q − 8) · scale + (8 − z) · scale   ⇒   torch_scale = scale,  torch_zero = (8 − z) · scale
 
-(symmetric: z = 8 ⇒ torch_zero = 0). ``tests/kernels/test_cpu_int4.py`` proves it by multiplying the identity.
+(symmetric: z = 8 ⇒ torch_zero = 0). ``tests/kernels/test_cpu_int4.py`` proves both by multiplying the identity.
 
-Limits of the op in torch 2.13, and how ``prepare_int4_cpu`` meets them:
+Limits, and how ``prepare_int4_cpu`` meets them:
 
-| op requirement                                   | here                                                             |
+| requirement                                      | here                                                             |
 |--------------------------------------------------|------------------------------------------------------------------|
-| ``qGroupSize`` ∈ {32, 64, 128, 256}              | a group of g = 96, 192, … or per-channel (g = K) is cut into g/32.. sub-groups sharing its scale; g must be a multiple of 32 |
+| torch: ``qGroupSize`` ∈ {32, 64, 128, 256}       | a group of g = 96, 192, … or per-channel (g = K) is cut into g/32.. sub-groups sharing its scale; g must be a multiple of 32 (for both kernels, so that either runs every weight) |
 | N divisible by 16                                | rows padded with zero scale (output columns sliced off)          |
-| codes int32 [N, K] in 0..15 → uint8 [N, K/2]     | ``_convert_weight_to_int4pack_for_cpu`` (its ``innerKTiles`` is ignored on CPU) |
-| ``qScaleAndZeros`` dtype = x dtype (fp32/bf16/fp16) | kept in fp32, cast once per compute dtype and cached          |
-| fast only in bf16 (fp32/fp16 x: scalar fallback)  | ``int4_mm_cpu`` computes in bf16 by default, returns x's dtype   |
+| torch: ``qScaleAndZeros`` dtype = x dtype        | kept in fp32, cast once per compute dtype and cached             |
+| torch: fast only in bf16 (fp32/fp16 x: scalar fallback) | ``int4_mm_cpu`` computes in bf16 by default, returns x's dtype |
 | groups contiguous along K                        | act-order: columns sorted by ``g_idx`` and x permuted to match (``x[:, perm]``), valid when every group has exactly ``group_size`` columns, as GPTQ ``desc_act`` makes them; otherwise refused |
 
-Precision: in bf16 (the default compute dtype) x is rounded to bf16 and the torch zero (8 − z)·scale is stored in
-bf16, an error of at most |8 − z|·scale·2⁻⁹ ≤ 1/64 of a quantization step per weight; ``compute_dtype=torch.float32``
-is exact to fp32 rounding (the tests' identity proof runs that way).
+Precision: both round x to bf16 and sum in fp32. torch's op also stores its zero (8 − z)·scale in bf16, an error of
+at most |8 − z|·scale·2⁻⁹ ≤ 1/64 of a quantization step per weight; ``compute_dtype=torch.float32`` runs it exact
+to fp32 rounding (the tests' identity proof of the torch kernel runs that way).
 """
 
 from __future__ import annotations
@@ -33,30 +43,49 @@ from dataclasses import dataclass, field
 
 import torch
 
+from toolkit.runtime import cpu_int4_native
+
+KERNELS = ("avx512-bf16", "torch")
 TORCH_GROUP_SIZES = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts, largest first
-_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
+_N_MULTIPLE = 16  # both kernels: 16 output columns per block (torch: "expect N to be dividable by 16")
+_BF16_BIAS = 128  # avx512-bf16: a code q is read as the bf16 number 128 + q
 
 
 @dataclass
 class Int4CpuWeight:
-    """One linear packed for torch's CPU int4 mm.
+    """One linear packed for ``int4_mm_cpu`` by one of ``KERNELS``.
 
-    packed uint8 [N_pad, K/2]; scale_and_zero fp32 [K/torch_group_size, N_pad, 2]; perm int64 [K] or None
+    avx512-bf16: packed uint8 [N_pad/16, K/8, 64] (``_pack_avx512``), scales and offsets fp32 [N_pad/16, G, 16],
+    group_size the weight's own group. torch: packed uint8 [N_pad, K/2], scales = qScaleAndZeros fp32
+    [K/group_size, N_pad, 2], offsets None, group_size the sub-group torch runs (32..256). perm int64 [K] or None
     (input-column order the groups are contiguous in); N, K the true output/input widths.
     """
 
+    kernel: str
     packed: torch.Tensor
-    scale_and_zero: torch.Tensor
-    torch_group_size: int
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    group_size: int
     N: int
     K: int
     perm: torch.Tensor | None = None
-    _cast: dict = field(default_factory=dict, repr=False)  # compute dtype → scale_and_zero in that dtype
+    _cast: dict = field(default_factory=dict, repr=False)  # torch: compute dtype → scales in that dtype
 
-    def scale_and_zero_for(self, dtype: torch.dtype) -> torch.Tensor:
+    def scales_for(self, dtype: torch.dtype) -> torch.Tensor:
+        """torch kernel: qScaleAndZeros in the compute dtype (cast once)."""
         if dtype not in self._cast:
-            self._cast[dtype] = self.scale_and_zero.to(dtype).contiguous()
+            self._cast[dtype] = self.scales.to(dtype).contiguous()
         return self._cast[dtype]
+
+
+def available_kernels() -> list[str]:
+    """The ``KERNELS`` that run on this machine, fastest first: torch's op always, compound's where it builds."""
+    return [kernel for kernel in KERNELS if kernel == "torch" or cpu_int4_native.load() is not None]
+
+
+def default_kernel() -> str:
+    """The fastest kernel this machine runs: ``avx512-bf16`` where compound's builds (``cpu_int4_native``), else torch."""
+    return available_kernels()[0]
 
 
 def _torch_scale_and_zero(scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,12 +121,12 @@ def _act_order_perm(g_idx: torch.Tensor, group_size: int, K: int, G: int) -> tor
 
 
 def prepare_int4_cpu(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-                     g_idx: torch.Tensor | None = None) -> Int4CpuWeight:
+                     g_idx: torch.Tensor | None = None, kernel: str | None = None) -> Int4CpuWeight:
     """Pack one linear for ``int4_mm_cpu``.
 
     codes [N, K] uint8 (0..15), scale [N, G] float, zero [N, G] integer zero point (W = scale·(code − zero), the
     ``QuantizedWeight`` convention: GPTQ zero after the v1 +1, AWQ zero as stored, CT zp + 8 or 8 when symmetric),
-    group_size (-1: per channel), g_idx [K] optional (act-order).
+    group_size (-1: per channel), g_idx [K] optional (act-order), kernel one of ``KERNELS`` (None: ``default_kernel``).
     """
     if codes.dim() != 2:
         raise ValueError(f"codes must be 2-D [N, K], got shape {tuple(codes.shape)}")
@@ -110,11 +139,18 @@ def prepare_int4_cpu(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     if codes.dtype.is_floating_point or int(codes.max()) > 15 or int(codes.min()) < 0:
         raise ValueError("codes must be integers in 0..15 (unsigned 4-bit); CT's signed q must be passed as q + 8")
     torch_group_size = _torch_group_size(group_size, K)
+    kernel = default_kernel() if kernel is None else kernel
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown CPU int4 kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
+    if kernel == "avx512-bf16" and cpu_int4_native.load() is None:
+        raise ValueError("compound's avx512-bf16 kernel does not run on this machine (see the log); use kernel='torch'")
     perm = None if g_idx is None else _act_order_perm(g_idx, group_size, K, G)
 
     codes = codes.to(torch.int32)
     if perm is not None:
         codes = codes[:, perm]  # (N, K) with groups contiguous
+    if kernel == "avx512-bf16":
+        return _prepare_avx512(codes, scale, zero, K if group_size == -1 else group_size, perm)
     torch_scale, torch_zero = _torch_scale_and_zero(scale.float(), zero)  # (N, G)
     repeat = (K if group_size == -1 else group_size) // torch_group_size
     torch_scale = torch_scale.repeat_interleave(repeat, dim=1)  # (N, K / torch_group_size)
@@ -127,16 +163,42 @@ def prepare_int4_cpu(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
         torch_zero = torch.cat([torch_zero, torch.zeros(pad, torch_zero.shape[1])])
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)  # (N_pad, K/2) uint8
     scale_and_zero = torch.stack([torch_scale.t(), torch_zero.t()], dim=-1).contiguous()  # (G', N_pad, 2)
-    return Int4CpuWeight(packed, scale_and_zero, torch_group_size, N, K, perm)
+    return Int4CpuWeight("torch", packed, scale_and_zero, None, torch_group_size, N, K, perm)
+
+
+def _pack_avx512(codes: torch.Tensor) -> torch.Tensor:
+    """codes int [N_pad, K] → uint8 [N_pad/16, K/8, 64]: in chunk c of block b, byte 2·(2n + i) + h holds the codes
+    of column 16b + n at k = 8c + 4h + i (low nibble) and k = 8c + 4h + 2 + i (high nibble), i.e. 16-bit word 2n + i
+    holds k = 8c + 2s + i in its nibble s (the layout ``cpu_int4_avx512.cpp`` reads)."""
+    N, K = codes.shape
+    q = codes.view(N // _N_MULTIPLE, _N_MULTIPLE, K // 8, 4, 2)  # [block, n, chunk, s, i]: k = 8·chunk + 2s + i
+    low_byte, high_byte = q[:, :, :, 0] | (q[:, :, :, 1] << 4), q[:, :, :, 2] | (q[:, :, :, 3] << 4)  # [b, n, c, i]
+    words = torch.stack([low_byte, high_byte], dim=-1).to(torch.uint8)  # [b, n, c, i, byte]: little-endian word
+    return words.permute(0, 2, 1, 3, 4).reshape(N // _N_MULTIPLE, K // 8, 64).contiguous()
+
+
+def _prepare_avx512(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                    perm: torch.Tensor | None) -> Int4CpuWeight:
+    """codes int32 [N, K] (groups contiguous), scale/zero [N, G] → the avx512-bf16 kernel's weight."""
+    N, K = codes.shape
+    scale = scale.double()
+    offset = -(zero.double() + _BF16_BIAS) * scale  # W = scale·(128 + q) + offset = scale·(q − z)
+    pad = -N % _N_MULTIPLE  # padded rows: scale 0, offset 0 → weight 0
+    if pad:
+        codes = torch.cat([codes, torch.zeros(pad, K, dtype=codes.dtype)])
+        scale, offset = (torch.cat([t, torch.zeros(pad, t.shape[1], dtype=t.dtype)]) for t in (scale, offset))
+    blocks = (N + pad) // _N_MULTIPLE
+    scale, offset = (t.float().view(blocks, _N_MULTIPLE, -1).transpose(1, 2).contiguous() for t in (scale, offset))
+    return Int4CpuWeight("avx512-bf16", _pack_avx512(codes), scale, offset, group_size, N, K, perm)
 
 
 def int4_mm_cpu(x: torch.Tensor, weight: Int4CpuWeight, compute_dtype: torch.dtype | None = torch.bfloat16) -> torch.Tensor:
     """``x @ W.T`` for x [..., K] fp32/bf16/fp16 on CPU → y [..., N] in x's dtype.
 
-    ``compute_dtype``: the dtype the op runs in (x and the scales are cast to it). bf16, the default, is torch's
-    vectorized path; fp32 and fp16 run a scalar fallback, 50–300× slower (AVX512-BF16 EPYC, one thread, 4096→4096
-    at M = 1: 87 ms in fp32 vs 0.45 ms in bf16), so pass ``None`` (x's own dtype) only when fp32 exactness matters
-    more than speed.
+    ``compute_dtype`` (torch kernel only; avx512-bf16 always rounds x to bf16 and keeps the weight exact): the dtype
+    torch's op runs in (x and the scales are cast to it). bf16, the default, is torch's vectorized path; fp32 and fp16
+    run a scalar fallback, 50–300× slower (AVX512-BF16 EPYC, one thread, 4096→4096 at M = 1: 87 ms in fp32 vs 0.45 ms
+    in bf16), so pass ``None`` (x's own dtype) only when fp32 exactness matters more than speed.
     """
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"x must be fp32, bf16 or fp16, got {x.dtype}")
@@ -144,11 +206,18 @@ def int4_mm_cpu(x: torch.Tensor, weight: Int4CpuWeight, compute_dtype: torch.dty
         raise ValueError(f"x has {x.shape[-1]} input features, the weight expects K = {weight.K}")
     if x.device.type != "cpu":
         raise ValueError(f"int4_mm_cpu runs on CPU tensors; x is on {x.device} (use toolkit.kernels on CUDA)")
-    dtype = x.dtype if compute_dtype is None else compute_dtype
     x2 = x.reshape(-1, weight.K)  # (M, K)
     if weight.perm is not None:
         x2 = x2[:, weight.perm]  # same column order as the packed codes
+    if weight.kernel == "avx512-bf16":
+        if compute_dtype is not torch.bfloat16:
+            raise ValueError("the avx512-bf16 kernel computes in bf16 only; prepare with kernel='torch' for "
+                             f"compute_dtype {compute_dtype}")
+        y = cpu_int4_native.load().w4_mm(x2, weight.packed, weight.scales, weight.offsets, weight.group_size,
+                                         weight.N)  # (M, N) fp32
+        return y.to(x.dtype).reshape(*x.shape[:-1], weight.N)
+    dtype = x.dtype if compute_dtype is None else compute_dtype
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        x2.to(dtype).contiguous(), weight.packed, weight.torch_group_size, weight.scale_and_zero_for(dtype)
+        x2.to(dtype).contiguous(), weight.packed, weight.group_size, weight.scales_for(dtype)
     )  # (M, N_pad)
     return y[:, : weight.N].to(x.dtype).reshape(*x.shape[:-1], weight.N)

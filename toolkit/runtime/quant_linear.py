@@ -10,7 +10,8 @@ AWQ ``qweight``/``qzeros``/``scales``, compressed-tensors ``weight_packed``/``we
 | backend       | y = x Ŵᵀ computed by                                              | runs on                         |
 |---------------|-------------------------------------------------------------------|---------------------------------|
 | ``reference`` | dequantize to fp32, cast to x's dtype, ``F.linear``: the oracle   | anything, any bit width         |
-| ``cpu-int4``  | torch's int4 op (``toolkit.runtime.cpu_int4``, bf16 compute) for  | CPU; 4-bit, group a multiple of |
+| ``cpu-int4``  | the CPU int4 kernel (``toolkit.runtime.cpu_int4``: compound's     | CPU; 4-bit, group a multiple of |
+|               | AVX512-BF16 one, else torch's op; bf16 x) for                     |                                 |
 |               | x of ≤ ``CPU_INT4_MAX_ROWS`` rows, the reference above            | 32                              |
 | ``triton``    | the layout's W4A16 Triton kernel (``toolkit.kernels``)            | CUDA; CPU under TRITON_INTERPRET=1 (set by the caller before Triton is imported) |
 | ``auto``      | ``triton`` for CUDA x, ``cpu-int4`` for CPU x, chosen per call;   | anything                        |
@@ -28,7 +29,9 @@ is shared, so wall time was too noisy to use); ratio = int4 time / reference tim
 
 In bf16 the reference (one dequantize, then a fast bf16 GEMM) overtakes the int4 op between 512 and 768 rows (k_proj,
 576→192: at 512); in fp32 the reference's fp32 GEMM stays slower than the int4 op at every M measured, but the
-int4 op computes in bf16. ``CPU_INT4_MAX_ROWS = 256`` sits below the bf16 crossover on every SmolLM2 shape and keeps
+int4 op computes in bf16. The table is torch's op; compound's AVX512-BF16 kernel, where it runs, is faster than
+torch's op at every M measured (1 to 64 rows, BENCHMARKS.md "Decode speed against model size"), so the limit stays
+on the safe side. ``CPU_INT4_MAX_ROWS = 256`` sits below the bf16 crossover on every SmolLM2 shape and keeps
 long prefills and perplexity scoring of an fp32 model on the fp32-exact reference; decode (M = 1) and speculative
 verification (M ≤ a few dozen) run the int4 op.
 """
@@ -55,7 +58,7 @@ def backend_problem(backend: str, bits: int, group_size: int, in_features: int |
         return f"backend {backend!r} runs 4-bit weights only, this checkpoint has {bits}-bit ones"
     group = in_features if group_size == -1 else group_size
     if backend == "cpu-int4" and group is not None and group % 32:
-        return f"backend 'cpu-int4' needs groups of a multiple of 32 columns (torch's int4 op), not {group}"
+        return f"backend 'cpu-int4' needs groups of a multiple of 32 columns (torch's int4 op, its fallback), not {group}"
     return None
 
 
@@ -128,7 +131,7 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def takes_cpu_int4(self) -> bool:
-        """Whether a CPU forward of few rows runs torch's int4 op (backend, bits, group and width allow it)."""
+        """Whether a CPU forward of few rows runs the CPU int4 kernel (backend, bits, group and width allow it)."""
         return (self.backend in ("auto", "cpu-int4") and self.packed_device().type == "cpu"
                 and not backend_problem("cpu-int4", self.bits, self.group_size, self.in_features))
 
@@ -137,7 +140,7 @@ class QuantLinear(nn.Module):
         return getattr(self, self.suffixes[0]).device
 
     def prepare(self) -> None:
-        """Pack the weight for torch's int4 op now (else the first cpu-int4 forward does), if that path can run it."""
+        """Pack the weight for the CPU int4 kernel now (else the first cpu-int4 forward does), if that path can run it."""
         from toolkit.runtime.cpu_int4 import prepare_int4_cpu
 
         if self._int4 is None and self.takes_cpu_int4():
@@ -186,7 +189,7 @@ class SharedInputLinears:
         return tuple(m(x) for m in self.linears)
 
     def prepare(self) -> None:
-        """Pack for torch's int4 op now (else the first call does): the concatenated linears when fusable, else each."""
+        """Pack for the CPU int4 kernel now (else the first call does): the concatenated linears when fusable, else each."""
         from toolkit.runtime.cpu_int4 import prepare_int4_cpu
 
         if self._int4 is not None:
