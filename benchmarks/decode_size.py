@@ -86,8 +86,7 @@ def step_bytes(decoder, position: int) -> dict[str, int]:
         for group in (layer.qkv, layer.gate_up):
             packs += [group._int4] if group._int4 is not None else [m._int4 for m in group.linears]
         packs += [layer.o_proj._int4, layer.down_proj._int4]
-        weights += sum(p.packed.nbytes + (p.scales.numel() * 2 if p.offsets is None  # torch: scale/zero in bf16
-                                          else p.scales.nbytes + p.offsets.nbytes) for p in packs)
+        weights += sum(p.read_bytes() for p in packs)
     head = decoder.lm_head
     head_bytes = getattr(head, "weight_bf16", head.weight).nbytes
     cache = decoder.cache

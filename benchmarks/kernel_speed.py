@@ -1,6 +1,7 @@
 """W4A16 kernel benchmarks against dense matmul, for the linear shapes of SmolLM2-135M, Llama-3-8B and Llama-3-70B.
 
-CPU: torch's int4 mm (``toolkit.runtime.cpu_int4``, bf16 compute) vs fp32 and bf16 ``torch.matmul``.
+CPU: the CPU int4 kernels of ``toolkit.runtime.cpu_int4`` this machine runs (compound's AVX512-BF16 one and torch's
+op, bf16 activations) vs fp32 and bf16 ``torch.matmul``.
 CUDA (when present): the Triton GPTQ / AWQ / compressed-tensors kernels vs fp16 ``torch.matmul``, with the fraction
 of the GPU's peak memory bandwidth each reaches.
 
@@ -31,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import update_section  # noqa: E402
 
-from toolkit.runtime.cpu_int4 import int4_mm_cpu, prepare_int4_cpu  # noqa: E402
+from toolkit.runtime.cpu_int4 import available_kernels, int4_mm_cpu, prepare_int4_cpu  # noqa: E402
 
 # (linear, in_features K, out_features N); q/o and k/v and gate/up share shapes.
 SHAPES = {
@@ -81,8 +82,8 @@ def bench_cpu(models: list[str], ms: list[int], repeats: int) -> list[dict]:
         for linear, K, N in SHAPES[model]:
             group_size = group_size_for(K)
             codes, scale, zero = _random_quantized(N, K, group_size, gen)
-            handle = prepare_int4_cpu(codes, scale, zero, group_size)
-            int4_bytes = handle.packed.numel() + handle.scale_and_zero_for(torch.bfloat16).numel() * 2
+            handles = {kernel: prepare_int4_cpu(codes, scale, zero, group_size, kernel=kernel)
+                       for kernel in available_kernels()}
             del codes
             W = torch.randn(N, K, generator=gen)  # (N, K) fp32
             W_bf16 = W.bfloat16()
@@ -91,35 +92,45 @@ def bench_cpu(models: list[str], ms: list[int], repeats: int) -> list[dict]:
                 x_bf16 = x.bfloat16()
                 t_fp32 = median_seconds(lambda: x @ W.t(), repeats)
                 t_bf16 = median_seconds(lambda: x_bf16 @ W_bf16.t(), repeats)
-                t_int4 = median_seconds(lambda: int4_mm_cpu(x_bf16, handle), repeats)
                 rows.append({
                     "model": model, "linear": linear, "K": K, "N": N, "M": M, "group_size": group_size,
-                    "fp32_us": t_fp32 * 1e6, "bf16_us": t_bf16 * 1e6, "int4_us": t_int4 * 1e6,
+                    "fp32_us": t_fp32 * 1e6, "bf16_us": t_bf16 * 1e6,
                     "fp32_gbps": (W.numel() * 4 + x.numel() * 4) / t_fp32 / 1e9,
                     "bf16_gbps": (W.numel() * 2 + x.numel() * 2) / t_bf16 / 1e9,
-                    "int4_gbps": (int4_bytes + x.numel() * 2) / t_int4 / 1e9,
+                    "int4": {},
                 })
+                for kernel, handle in handles.items():
+                    t_int4 = median_seconds(lambda: int4_mm_cpu(x_bf16, handle), repeats)
+                    rows[-1]["int4"][kernel] = (t_int4 * 1e6, (handle.read_bytes() + x.numel() * 2) / t_int4 / 1e9)
                 print(_cpu_line(rows[-1]), flush=True)
-            del W, W_bf16, handle
+            del W, W_bf16, handles
     return rows
 
 
 def _cpu_line(r: dict) -> str:
+    """One row: dense times, then each int4 kernel's time and bandwidth, fastest kernel first."""
+    fastest_us = r["int4"][available_kernels()[0]][0]
+    kernels = " | ".join(f"{us:.0f}" for us, _ in r["int4"].values())
+    bandwidths = " / ".join(f"{gbps:.1f}" for _, gbps in r["int4"].values())
     return (f"| {r['model']} | {r['linear']} | {r['K']}→{r['N']} | {r['M']} | {r['fp32_us']:.0f} | {r['bf16_us']:.0f} | "
-            f"{r['int4_us']:.0f} | {r['fp32_us'] / r['int4_us']:.2f}× | {r['bf16_us'] / r['int4_us']:.2f}× | "
-            f"{r['fp32_gbps']:.1f} / {r['bf16_gbps']:.1f} / {r['int4_gbps']:.1f} |")
+            f"{kernels} | {r['fp32_us'] / fastest_us:.2f}× | {r['bf16_us'] / fastest_us:.2f}× | "
+            f"{r['fp32_gbps']:.1f} / {r['bf16_gbps']:.1f} / {bandwidths} |")
 
 
 def cpu_markdown(rows: list[dict], threads: int, load: tuple[float, float, float]) -> str:
+    kernels = available_kernels()
     header = [
         f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{threads} thread(s), load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} during the run "
-        "(shared with other processes: treat small differences as noise). int4 = torch's "
-        "`_weight_int4pack_mm_for_cpu` on bf16 activations (its fp32/fp16 paths are a scalar fallback, 50–300× slower). "
-        "Group size 128, or 64 where 128 does not divide K. Bandwidth = (weight bytes as stored + x bytes) / time.",
+        "(shared with other processes: treat small differences as noise). int4 kernels on bf16 activations: "
+        + ", ".join(f"`{k}`" for k in kernels) + " (`avx512-bf16`: compound's, `toolkit/runtime/cpu_int4_avx512.cpp`; "
+        "`torch`: `_weight_int4pack_mm_for_cpu`, whose fp32/fp16 paths are a scalar fallback, 50–300× slower); "
+        f"the ratios are the fastest ({kernels[0]}). Group size 128, or 64 where 128 does not divide K. "
+        "Bandwidth = (weight bytes as the kernel reads them + x bytes) / time.",
         "",
-        "| model | linear | K→N | M | fp32 mm µs | bf16 mm µs | int4 µs | int4 vs fp32 | int4 vs bf16 | GB/s fp32 / bf16 / int4 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| model | linear | K→N | M | fp32 mm µs | bf16 mm µs | {' | '.join(f'int4 {k} µs' for k in kernels)} | "
+        f"int4 vs fp32 | int4 vs bf16 | GB/s fp32 / bf16 / {' / '.join(kernels)} |",
+        "|---|---|---|---|---|---|" + "---|" * len(kernels) + "---|---|---|",
     ]
     return "\n".join(header + [_cpu_line(r) for r in rows])
 

@@ -71,6 +71,12 @@ class Int4CpuWeight:
     perm: torch.Tensor | None = None
     _cast: dict = field(default_factory=dict, repr=False)  # torch: compute dtype → scales in that dtype
 
+    def read_bytes(self) -> int:
+        """Bytes one product reads from the weight: codes and scales as the kernel reads them (torch's: in bf16)."""
+        if self.offsets is None:
+            return self.packed.nbytes + self.scales.numel() * 2
+        return self.packed.nbytes + self.scales.nbytes + self.offsets.nbytes
+
     def scales_for(self, dtype: torch.dtype) -> torch.Tensor:
         """torch kernel: qScaleAndZeros in the compute dtype (cast once)."""
         if dtype not in self._cast:
