@@ -18,6 +18,7 @@ conversations.
 
     python -P benchmarks/heads_ablation.py train NAME [--schedule compound|specforge] [--lm-head target|random]
                                                       [--norm target|ones] [--seed 0] [--threads 1]
+                                                      [--steps 30 --warmup-steps 3]   # 300 / 20: the long runs
     python -P benchmarks/heads_ablation.py lr [--specforge-src PATH]     # both schedules, step by step
     python -P benchmarks/heads_ablation.py score NAME [NAME ...] [--chains 3 5]   # vLLM CPU τ (heads_vs_peers)
 
@@ -105,17 +106,17 @@ def train(args) -> None:
     from toolkit.heads.eagle import EagleHead
 
     settings = {"name": args.name, "schedule": args.schedule, "lm_head": args.lm_head, "norm": args.norm,
-                "seed": args.seed}
+                "seed": args.seed, "steps": args.steps, "warmup_steps": args.warmup_steps}
     if args.schedule == "specforge":
         src = args.specforge_src or default_specforge_src()
         if not src:
             raise SystemExit("--specforge-src: SpecForge's lr_scheduler.py (scripts/setup_specforge.sh installs it)")
-        lrs = specforge_lrs(Path(src))
+        lrs = specforge_lrs(Path(src), args.steps, args.warmup_steps)
         settings["specforge_src"] = str(src)
 
         def lr_factor(step: int, warmup_steps: int, max_steps: int) -> float:
-            if (warmup_steps, max_steps) != (WARMUP, STEPS):
-                raise RuntimeError(f"schedule table is for {WARMUP} warmup of {STEPS} steps")
+            if (warmup_steps, max_steps) != (args.warmup_steps, args.steps):
+                raise RuntimeError(f"schedule table is for {args.warmup_steps} warmup of {args.steps} steps")
             return lrs[step] / LR
 
         train_module.lr_factor = lr_factor  # _run looks it up in the module at every step
@@ -137,11 +138,13 @@ def train(args) -> None:
 
     out = OUT / args.name
     work = work_copy(args.name)
+    every = max(1, args.steps // (1 if args.steps == STEPS else 3))  # heads_vs_peers.py: 1 evaluation at 30, 3 at 300
     argv = ["train-heads", "--model", "smollm2-135m", "--head", "eagle3", "-o", str(out), "--work-dir", str(work),
             "--loss", "kl", "--samples", "256", "--max-len", "512", "--distill-tokens", "128", "--draft-vocab", "8192",
             "--aux-layers", "2,15,27", "--ttt-steps", "3", "--depth", "5", "--top-k", "4", "--draft-tokens", "8",
-            "--steps", str(STEPS), "--batch-size", "8", "--micro-batch-size", "4", "--lr", str(LR), "--warmup-steps",
-            str(WARMUP), "--eval-every", str(STEPS), "--save-every", str(STEPS), "--eval-prompts", "3",
+            "--steps", str(args.steps), "--batch-size", "8", "--micro-batch-size", "4", "--lr", str(LR),
+            "--warmup-steps", str(args.warmup_steps), "--eval-every", str(every), "--save-every", str(every),
+            "--eval-prompts", "3",
             "--eval-tokens", "48", "--overwrite", "--seed", str(args.seed), "--threads", str(args.threads)]
     started = time.perf_counter()
     try:
@@ -194,6 +197,8 @@ def main() -> None:
     p.add_argument("--lm-head", choices=("target", "random"), default="target")
     p.add_argument("--norm", choices=("target", "ones"), default="target")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--warmup-steps", type=int, default=WARMUP)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--specforge-src", default=None)
     p = sub.add_parser("lr")
