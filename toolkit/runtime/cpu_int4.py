@@ -152,11 +152,11 @@ def prepare_int4_cpu(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
         raise ValueError("compound's avx512-bf16 kernel does not run on this machine (see the log); use kernel='torch'")
     perm = None if g_idx is None else _act_order_perm(g_idx, group_size, K, G)
 
-    codes = codes.to(torch.int32)
     if perm is not None:
         codes = codes[:, perm]  # (N, K) with groups contiguous
     if kernel == "avx512-bf16":
         return _prepare_avx512(codes, scale, zero, K if group_size == -1 else group_size, perm)
+    codes = codes.to(torch.int32)
     torch_scale, torch_zero = _torch_scale_and_zero(scale.float(), zero)  # (N, G)
     repeat = (K if group_size == -1 else group_size) // torch_group_size
     torch_scale = torch_scale.repeat_interleave(repeat, dim=1)  # (N, K / torch_group_size)
@@ -177,15 +177,15 @@ def _pack_avx512(codes: torch.Tensor) -> torch.Tensor:
     of column 16b + n at k = 8c + 4h + i (low nibble) and k = 8c + 4h + 2 + i (high nibble), i.e. 16-bit word 2n + i
     holds k = 8c + 2s + i in its nibble s (the layout ``cpu_int4_avx512.cpp`` reads)."""
     N, K = codes.shape
-    q = codes.view(N // _N_MULTIPLE, _N_MULTIPLE, K // 8, 4, 2)  # [block, n, chunk, s, i]: k = 8·chunk + 2s + i
+    q = codes.to(torch.uint8).view(N // _N_MULTIPLE, _N_MULTIPLE, K // 8, 4, 2)  # [block, n, chunk, s, i]: k = 8·chunk + 2s + i
     low_byte, high_byte = q[:, :, :, 0] | (q[:, :, :, 1] << 4), q[:, :, :, 2] | (q[:, :, :, 3] << 4)  # [b, n, c, i]
-    words = torch.stack([low_byte, high_byte], dim=-1).to(torch.uint8)  # [b, n, c, i, byte]: little-endian word
+    words = torch.stack([low_byte, high_byte], dim=-1)  # [b, n, c, i, byte]: little-endian word
     return words.permute(0, 2, 1, 3, 4).reshape(N // _N_MULTIPLE, K // 8, 64).contiguous()
 
 
 def _prepare_avx512(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
                     perm: torch.Tensor | None) -> Int4CpuWeight:
-    """codes int32 [N, K] (groups contiguous), scale/zero [N, G] → the avx512-bf16 kernel's weight."""
+    """codes int [N, K] (groups contiguous), scale/zero [N, G] → the avx512-bf16 kernel's weight."""
     N, K = codes.shape
     scale = scale.double()
     offset = -(zero.double() + _BF16_BIAS) * scale  # W = scale·(128 + q) + offset = scale·(q − z)
