@@ -168,7 +168,7 @@ COLUMNS = ["model", "parameters", "threads", "int4 kernel", "MB read per step (i
            "self time by op (profiler, 8 steps)"]
 
 
-FINDINGS = """Where a step's time goes, and what changed on 2026-12-04 (issue #28, item 9):
+FINDINGS = """Where a step's time goes, and what changed on 2026-12-04 and 12-05 (issue #28, item 9):
 
 - The 0.2 tok/s of the 3B in "Quantizing models larger than memory" was mostly not decoding: the first forward packed
   every int4 weight for torch's op (28 s for the 3B) inside the timed 8 tokens. `Decoder.prepare()` now packs before
@@ -176,13 +176,20 @@ FINDINGS = """Where a step's time goes, and what changed on 2026-12-04 (issue #2
   5.3 tok/s), and GPTQ/AWQ unpacking is 1.3-3.5x faster (the 3B's load from 49 s to 24 s on one thread).
 - The rescored bf16 LM head ran its one-row product as a matrix product; torch's bf16 `mv` takes half the time
   (49152 x 3072: 34 ms to 22 ms on one thread), with the same fp32 rescoring of the top logits.
-- What is left is torch's int4 op itself: 70-80 % of a 1B/3B step, at about half the read bandwidth (the "int4 op"
-  column; alone on weights that do not fit in cache it measured 7.3-7.6 GB/s on one thread, 13-14 GB/s on two).
-  Its fp32 dequantize-and-multiply per weight is the limit, not compound's loop around it (norms, attention, copies:
-  under 10 % of a step). Closing the rest needs another kernel (integer dot products on int8 activations, as
-  llama.cpp does, at W4A8 numerics).
-- SmolLM2 (120 MB a step) sits in this CPU's 480 MB L3, so the DRAM bound does not bind it; its steps are Python and
-  dispatch overhead over 30 small layers, which only a compiled step would remove."""
+- torch's int4 op was 70-80 % of a 1B/3B step at about half the read bandwidth: it dequantizes every weight to fp32
+  and multiplies in fp32. compound's own kernel (`toolkit/runtime/cpu_int4_avx512.cpp`, the "avx512-bf16" rows)
+  reads each code as the bf16 number 128 + q with one bitwise operation, multiplies 16 columns by two inputs with one
+  AVX512-BF16 `vdpbf16ps`, applies the exact fp32 scale and offset once per group, and prefetches 2 KiB ahead in
+  each block's stream. In the step it reads 10.6-11.2 GB/s on one thread and 15-20 GB/s on two (torch's op:
+  7.2-7.7 and 12.7-13.3), so the 1B and 3B steps come within 1.44-1.78x of the bound (torch's op: 1.72-2.15x) at
+  the same numerics class (x rounded to bf16, fp32 sums; the weight now exact where torch's op rounds its zero to
+  bf16). Its fp32 scale and offset read 6-8 % more bytes than torch's bf16 pairs, counted in the bound. Two runs
+  of this table on the same day differed by up to 15 % in tokens/s and in the measured bandwidth (1B on two
+  threads: 1.48x and 1.78x), so read the ratios to about that.
+- SmolLM2 (120 MB a step) sits in this CPU's L3 cache, so the DRAM bound does not bind it: on one thread it comes
+  within 1.96x, on two threads 2.43x (2.97x in the earlier run), where a step is dominated by Python and dispatch
+  overhead over 30 small layers (its int4 calls move 66 MB at 8 GB/s, well under the kernel's speed on large
+  weights), which only a compiled step would remove."""
 
 
 def main() -> None:
