@@ -110,12 +110,13 @@ def peer_command(args, peer: str) -> list[str]:
                                                                  if peer == "specforge" else [])
 
 
-def run_measured(command: list[str], threads: int) -> float:
+def run_measured(command: list[str], threads: int, check: bool = True) -> float:
     """Run ``command``; its peak RSS in GiB (``wait4``'s rusage of that process: Linux carries the parent's peak
-    into a child across fork + exec, and this parent holds no model while it trains, so the peak is the child's)."""
+    into a child across fork + exec, and this parent holds no model while it trains, so the peak is the child's).
+    ``check``: a failure stops the benchmark (a peer's failure is instead its ``result.json``)."""
     proc = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, cwd=ROOT)
     _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status):
+    if check and os.waitstatus_to_exitcode(status):
         raise SystemExit(f"{' '.join(command)} failed with exit status {os.waitstatus_to_exitcode(status)}")
     return usage.ru_maxrss / 2**20
 
@@ -225,7 +226,8 @@ def main() -> None:
     for peer in PEERS:
         commands.append(" ".join(peer_command(args, peer)).replace(f"{ROOT}/", ""))
         if not args.reuse and peer in chosen and (ROOT / ".venvs" / peer).is_dir():
-            subprocess.run(peer_command(args, peer), cwd=ROOT)  # a failure is its result.json
+            rss[peer] = run_measured(peer_command(args, peer), args.threads, check=False)  # largest process of its tree
+            RSS_FILE.write_text(json.dumps(rss, indent=1))
     heads = {name: output_dir(name) for name in runs if (output_dir(name) / "config.json").is_file()}
     peers = peer_rows()
     heads |= {peer: Path(row["head"]) for peer, row in peers.items() if row.get("status") == "trained"}

@@ -34,7 +34,7 @@ Counting as in test_vllm_medusa.py: vLLM's mean accepted length is 1 + accepted 
 
 Measured (mean accepted length, vLLM | compound): eagle3-vocab2048 2.2456 | 2.2456 (114 drafts, 142 accepted in
 both), eagle3-full 1.5394 | 1.5394 (165, 89), eagle 1.8345 | 1.8345 (139, 116), with compound's float32 greedy tokens
-equal to vLLM's; eagle3-w4 1.5333 | 1.4740 (bfloat16).
+equal to vLLM's; eagle3-w4 1.5521 | 1.4709 (bfloat16; compound's AVX512-BF16 int4 kernel).
 
 Needs the vLLM venv made by ``bash scripts/setup_vllm.sh`` (.venvs/vllm); vLLM runs there in subprocesses
 (tests/integration/vllm_spec.py). About 7.5 minutes on a shared 2-core machine, 4 of them vLLM (6 engines).
@@ -91,8 +91,10 @@ def fit_head(model, kind: str, ids: torch.Tensor, mask: torch.Tensor, draft_voca
         vocab, _ = draft_vocabulary([ids[mask]], lm_head.shape[0], draft_vocab_size)
     torch.manual_seed(0)
     head = EagleHead.from_target(model, kind, draft_vocab=vocab)
-    if kind == "eagle3":
+    if kind == "eagle3":  # frozen at the target's rows, so the same fc and layer also serve the whole lm_head
         hidden = target_hidden_states(model, ids, [*head.config.aux_layers, -1])
+        with torch.no_grad():
+            head.lm_head.weight.copy_(lm_head[head.draft_to_target(torch.arange(head.config.draft_vocab_size))].float())
         head.lm_head.requires_grad_(False)
         head.norm.requires_grad_(False)
     else:
@@ -111,12 +113,15 @@ def fit_head(model, kind: str, ids: torch.Tensor, mask: torch.Tensor, draft_voca
 
 
 def with_full_vocabulary(model, head):
-    """An eagle3 head with ``head``'s ``fc`` and layer over the target's whole vocabulary."""
+    """An eagle3 head with ``head``'s ``fc`` and layer over the target's whole vocabulary, read by the target's own
+    ``lm_head`` (as ``fit_head`` froze it; ``from_target`` starts a new head's ``lm_head`` random)."""
     from toolkit.heads.eagle import EagleHead
 
     full = EagleHead.from_target(model, "eagle3", aux_layers=head.config.aux_layers)
     full.fc.load_state_dict(head.fc.state_dict())
     full.midlayer.load_state_dict(head.midlayer.state_dict())
+    with torch.no_grad():
+        full.lm_head.weight.copy_(model.get_output_embeddings().weight.float())
     return full.eval()
 
 
