@@ -5,9 +5,9 @@ Two kernels (``KERNELS``), chosen per process by ``default_kernel`` (or per weig
 | kernel          | what multiplies                                                  | where                                 |
 |-----------------|------------------------------------------------------------------|---------------------------------------|
 | ``avx512-bf16`` | ``cpu_int4_avx512.cpp`` (built by ``cpu_int4_native``): codes    | x86 CPUs with AVX512-BF16 and a C++   |
-|                 | become bf16 128 + q, one ``vdpbf16ps`` per 16 columns × 2 inputs, | compiler; 1.4x (one thread) to 1.6x   |
-|                 | exact fp32 scale and offset per group; x rounded to bf16         | (two) torch's op at batch 1, faster   |
-|                 |                                                                  | at every batch measured (BENCHMARKS)  |
+|                 | become bf16 128 + q, one ``vdpbf16ps`` per 16 columns × 2 inputs, | compiler; 1.3-1.4x torch's op at 1-2  |
+|                 | exact fp32 scale and offset per group; x rounded to bf16         | rows, 0.91-1.00x from 4 to 256 rows   |
+|                 |                                                                  | (8192×3072 g128, 1 and 2 threads)     |
 | ``torch``       | ``aten::_weight_int4pack_mm_for_cpu`` (the "tinygemm" convention) | any CPU torch runs on                 |
 
 Both read the integer zero point z of GPTQ, AWQ and compressed-tensors (CT: zp + 8) with W = scale · (q − z).

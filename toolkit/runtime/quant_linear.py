@@ -29,9 +29,8 @@ is shared, so wall time was too noisy to use); ratio = int4 time / reference tim
 
 In bf16 the reference (one dequantize, then a fast bf16 GEMM) overtakes the int4 op between 512 and 768 rows (k_proj,
 576→192: at 512); in fp32 the reference's fp32 GEMM stays slower than the int4 op at every M measured, but the
-int4 op computes in bf16. The table is torch's op; compound's AVX512-BF16 kernel, where it runs, is faster than
-torch's op at every M measured (1 to 64 rows, BENCHMARKS.md "Decode speed against model size"), so the limit stays
-on the safe side. ``CPU_INT4_MAX_ROWS = 256`` sits below the bf16 crossover on every SmolLM2 shape and keeps
+int4 op computes in bf16. The table is torch's op; compound's AVX512-BF16 kernel, where it runs, is 1.3-1.4x
+faster at 1-2 rows and within 9 % of it from 4 to 256 rows (8192×3072 g128), so the same limit holds. ``CPU_INT4_MAX_ROWS = 256`` sits below the bf16 crossover on every SmolLM2 shape and keeps
 long prefills and perplexity scoring of an fp32 model on the fp32-exact reference; decode (M = 1) and speculative
 verification (M ≤ a few dozen) run the int4 op.
 """
