@@ -15,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 
 SOURCE = Path(__file__).with_name("cpu_int4_avx512.cpp")
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")  # /proc/cpuinfo names of the instructions the source uses
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # /proc/cpuinfo names of what COMPILER_FLAGS enable
 COMPILER_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
 
 log = logging.getLogger(__name__)
