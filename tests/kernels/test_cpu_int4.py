@@ -1,11 +1,13 @@
-"""toolkit.runtime.cpu_int4: compound's AVX512-BF16 kernel and torch's CPU int4 mm fed GPTQ/AWQ/CT weights, against
-the torch oracle.
+"""toolkit.runtime.cpu_int4: compound's kernels (AVX512-BF16, AVX2-FMA) and torch's CPU int4 mm fed GPTQ/AWQ/CT
+weights, against the torch oracle.
 
-Each kernel's conversion (avx512-bf16: W = scale·(128 + q) − (z + 128)·scale; torch: W = (q − 8)·scale + (8 − z)·scale)
-is proved by multiplying the identity: with x = I, the kernel returns W.T itself, so every weight it reconstructs is
-compared, not a projection of it. Every test runs on each kernel this machine has; where the CPU has AVX512-BF16,
-compound's kernel must be among them (a failed build is a failure, not a skip).
+Each kernel's conversion (compound's: W = unit·scale·(bias + q)/unit − (z + bias)·scale; torch: W = (q − 8)·scale +
+(8 − z)·scale) is proved by multiplying the identity: with x = I, the kernel returns W.T itself, so every weight it
+reconstructs is compared, not a projection of it. Every test runs on each kernel this machine has; where the CPU has
+a kernel's instruction sets, that kernel must be among them (a failed build is a failure, not a skip).
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -14,15 +16,21 @@ from kernel_cases import make_case
 from toolkit.formats import gptq as gptq_format
 from toolkit.kernels import reference as R
 from toolkit.quant.primitives import quantize_rtn
-from toolkit.runtime import cpu_int4, cpu_int4_native
+from toolkit.runtime import cpu_int4, native
 from toolkit.runtime.cpu_int4 import int4_mm_cpu, prepare_int4_cpu
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 HERE = cpu_int4.available_kernels()
+NATIVE_HERE = [kernel for kernel in cpu_int4.NATIVE if kernel in HERE]
 
 
 @pytest.fixture(params=HERE)
 def kernel(request):
+    return request.param
+
+
+@pytest.fixture(params=NATIVE_HERE)
+def native_kernel(request):
     return request.param
 
 
@@ -33,18 +41,22 @@ def prepare(case, kernel):
     return prepare_int4_cpu(w.codes, w.scale, case.zero, case.group_size, g_idx=g_idx, kernel=kernel)
 
 
+def x_dtype(kernel: str) -> torch.dtype:
+    """What the kernel rounds x to (torch's op: run in fp32 here, exact)."""
+    return cpu_int4.NATIVE[kernel].x_dtype if kernel in cpu_int4.NATIVE else torch.float32
+
+
 def reconstructed_weight(handle) -> torch.Tensor:
-    """W [N, K] as the kernel sees it: I_K @ W.T (torch's op computing in fp32; the identity is exact in bf16)."""
-    dtype = torch.float32 if handle.kernel == "torch" else torch.bfloat16
-    return int4_mm_cpu(torch.eye(handle.K), handle, compute_dtype=dtype).t()
+    """W [N, K] as the kernel sees it: I_K @ W.T (the identity is exact in bf16)."""
+    return int4_mm_cpu(torch.eye(handle.K), handle, compute_dtype=x_dtype(handle.kernel)).t()
 
 
-def test_compound_kernel_runs_where_the_cpu_allows():
-    """On a CPU with AVX512-BF16 the kernel builds and is the default; elsewhere torch's op is."""
-    if cpu_int4_native.missing_cpu_flags():
-        assert cpu_int4.default_kernel() == "torch"
-    else:
-        assert cpu_int4_native.load() is not None and cpu_int4.default_kernel() == "avx512-bf16"
+def test_compound_kernels_run_where_the_cpu_allows():
+    """Each of compound's kernels builds wherever the CPU has its instruction sets, and the default is the first of
+    them that runs (torch's op where none does)."""
+    runs = [name for name, kernel in cpu_int4.NATIVE.items() if not native.missing_cpu_flags(kernel.build)]
+    assert [kernel for kernel in HERE if kernel != "torch"] == runs
+    assert cpu_int4.default_kernel() == (runs + ["torch"])[0]
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128, -1])
@@ -74,22 +86,26 @@ def test_a_wrong_conversion_fails(monkeypatch, wrong):
     assert R.max_relative_error(reconstructed_weight(prepare(case, "torch")), case.W) > 0.05
 
 
-@pytest.mark.skipif("avx512-bf16" not in HERE, reason="this CPU lacks AVX512-BF16")
-@pytest.mark.parametrize("bias", [0, 64, 127])
-def test_a_wrong_bias_fails(monkeypatch, bias):
-    """The codes are read as 128 + q: an offset that removes any other constant misses by (128 − bias)·scale."""
+@pytest.mark.parametrize("wrong", [("bias", 0), ("bias", 1), ("unit", 1), ("unit", 8)])
+def test_a_wrong_bias_or_unit_fails(monkeypatch, native_kernel, wrong):
+    """The codes are read as (bias + q) / unit: an offset that removes another constant, or a scale for another unit,
+    misses the weight, and the check sees it."""
+    field, value = wrong
+    right = cpu_int4.NATIVE[native_kernel]
+    if getattr(right, field) == value:
+        value += 2
+    monkeypatch.setitem(cpu_int4.NATIVE, native_kernel, dataclasses.replace(right, **{field: value}))
     case = make_case("awq", N=32, K=128, group_size=32)
-    monkeypatch.setattr(cpu_int4, "_BF16_BIAS", bias)
-    assert R.max_relative_error(reconstructed_weight(prepare(case, "avx512-bf16")), case.W) > 0.05
+    assert R.max_relative_error(reconstructed_weight(prepare(case, native_kernel)), case.W) > 0.05
 
 
-@pytest.mark.skipif("avx512-bf16" not in HERE, reason="this CPU lacks AVX512-BF16")
-def test_a_wrong_code_layout_fails(monkeypatch):
-    """Swapping the pair order inside a word (k ↔ k + 1) is caught, so the layout, not just the sums, is checked."""
+def test_a_wrong_code_layout_fails(monkeypatch, native_kernel):
+    """Swapping neighbouring input columns (k ↔ k + 1) is caught, so the layout, not just the sums, is checked."""
     case = make_case("gptq", N=16, K=64, group_size=32)
-    right = cpu_int4._pack_avx512
-    monkeypatch.setattr(cpu_int4, "_pack_avx512", lambda codes: right(codes.view(16, -1, 2).flip(-1).reshape(16, -1)))
-    assert R.max_relative_error(reconstructed_weight(prepare(case, "avx512-bf16")), case.W) > 0.05
+    right = cpu_int4.NATIVE[native_kernel]
+    swapped = dataclasses.replace(right, pack=lambda codes: right.pack(codes.view(16, -1, 2).flip(-1).reshape(16, -1)))
+    monkeypatch.setitem(cpu_int4.NATIVE, native_kernel, swapped)
+    assert R.max_relative_error(reconstructed_weight(prepare(case, native_kernel)), case.W) > 0.05
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 17])
@@ -107,11 +123,14 @@ def test_matches_reference(layout, dtype, M, kernel):
     assert R.max_relative_error(y, ref) < R.TOLERANCE[torch.bfloat16]
     if kernel == "torch":
         assert R.max_relative_error(int4_mm_cpu(x, handle, compute_dtype=None), ref) < R.TOLERANCE[dtype]
-    else:  # x rounded to bf16, the weight exact: the fp32 product of the rounded x, to fp32 summation error
-        exact = R.w4a16_matmul_reference(x.bfloat16().float(), case.W)
+    else:  # x rounded to the kernel's x dtype, the weight exact: the fp32 product of that x, to fp32 summation error
+        exact = R.w4a16_matmul_reference(x.to(x_dtype(kernel)).float(), case.W)
         assert R.max_relative_error(y.float(), exact) < (1e-5 if dtype == torch.float32 else R.TOLERANCE[dtype])
-        with pytest.raises(ValueError, match="bf16 only"):
-            int4_mm_cpu(x, handle, compute_dtype=None)
+        if x_dtype(kernel) == torch.float32 or dtype == x_dtype(kernel):  # x's own dtype is served as exactly
+            torch.testing.assert_close(int4_mm_cpu(x, handle, compute_dtype=None), y, rtol=0, atol=0)
+        else:  # a finer x than the kernel reads is refused, not silently rounded
+            with pytest.raises(ValueError, match="bfloat16 only"):
+                int4_mm_cpu(x, handle, compute_dtype=None)
 
 
 def test_act_order_permutes_x(kernel):
@@ -171,23 +190,20 @@ def test_input_errors(kernel):
         prepare_int4_cpu(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2), torch.ones(16, 2), 32, kernel="avx2")
 
 
-@pytest.mark.skipif("avx512-bf16" not in HERE, reason="this CPU lacks AVX512-BF16")
 @pytest.mark.parametrize(("N", "K", "group_size"), [(8, 256, 256), (104, 512, 128), (4096, 1024, 32)])
-def test_both_kernels_agree_on_larger_shapes(N, K, group_size):
+def test_compound_kernels_agree_with_torch_on_larger_shapes(native_kernel, N, K, group_size):
     """compound's kernel against torch's op across blocks split between threads, a partial last block and long groups."""
     case = make_case("gptq", N=N, K=K, group_size=group_size, seed=N)
     x = torch.randn(6, K, generator=torch.Generator().manual_seed(1))
-    ours, theirs = (int4_mm_cpu(x, prepare(case, k), compute_dtype=torch.bfloat16 if k != "torch" else torch.float32)
-                    for k in ("avx512-bf16", "torch"))
-    assert R.max_relative_error(ours, R.w4a16_matmul_reference(x.bfloat16().float(), case.W)) < 1e-5
+    ours, theirs = (int4_mm_cpu(x, prepare(case, k), compute_dtype=x_dtype(k)) for k in (native_kernel, "torch"))
+    assert R.max_relative_error(ours, R.w4a16_matmul_reference(x.to(x_dtype(native_kernel)).float(), case.W)) < 1e-5
     assert R.max_relative_error(ours, theirs) < R.TOLERANCE[torch.bfloat16]
 
 
-@pytest.mark.skipif("avx512-bf16" not in HERE, reason="this CPU lacks AVX512-BF16")
-def test_a_row_gets_the_same_bits_alone_or_among_others():
+def test_a_row_gets_the_same_bits_alone_or_among_others(native_kernel):
     """Decoding (one row) and verification (several) must agree bit for bit for speculative decoding to stay lossless."""
     case = make_case("awq", N=40, K=256, group_size=64, seed=3)
-    handle = prepare(case, "avx512-bf16")
+    handle = prepare(case, native_kernel)
     x = torch.randn(7, 256, generator=torch.Generator().manual_seed(2))
     alone = torch.cat([int4_mm_cpu(x[i:i + 1], handle) for i in range(7)])
     for rows in (2, 3, 5, 7):
