@@ -97,6 +97,25 @@ BYTE_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }
                       "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
+def int4_linears(model):
+    """Replace every linear of ``model``'s decoder layers by the runtime's int4 QuantLinear (GPTQ layout, W4 g32,
+    the CPU int4 kernel), whose rows are computed alone: the model speculative decoding is lossless on, bit for bit."""
+    from torch import nn
+
+    from toolkit.formats import gptq
+    from toolkit.quant.primitives import quantize_rtn
+    from toolkit.runtime.quant_linear import QuantLinear
+
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    packed = gptq.pack(quantize_rtn(child.weight.detach(), 4, 32, True))
+                    setattr(parent, name, QuantLinear(gptq, child.in_features, child.out_features, 4, 32, packed,
+                                                      child.bias, backend="cpu-int4"))
+    return model
+
+
 def perturb_biases_and_norms(model):
     """Give a random tiny model nonzero biases (N(0, 0.2)) and norm weights away from their init (+ N(0, 0.2)), so
     that a forward that drops a bias or a norm weight shows in its logits."""

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import perturb_biases_and_norms, tiny_config, tiny_model
+from conftest import int4_linears, perturb_biases_and_norms, tiny_config, tiny_model
 from toolkit.architectures import supporting
 from toolkit.decode import Decoder, DecodeError
 from toolkit.decode.tree import ancestor_mask, depths
@@ -31,18 +31,35 @@ def family_model(model_type, **config_overrides):
     return spread(AutoModelForCausalLM.from_config(tiny_config(model_type, vocab=VOCAB, **config_overrides)).eval())
 
 
+@pytest.fixture(params=["native", "torch"])
+def forward(request):
+    """Which forward a decoder runs: the C++ step (toolkit.runtime.decode_step, the default where it builds) or the
+    torch one."""
+    if request.param == "native" and Decoder.from_model(tiny_model("llama"), 4).native_step is None:
+        pytest.skip("the C++ decode step does not run on this CPU")
+    return request.param
+
+
+def decoder_for(model, max_len, forward, **kwargs):
+    """``Decoder.from_model`` running ``forward``."""
+    decoder = Decoder.from_model(model, max_len, **kwargs)
+    if forward == "torch":
+        decoder.native_step = None
+    return decoder
+
+
 def hf_logits(model, ids):
     with torch.no_grad():
         return model(torch.as_tensor(ids)[None]).logits[0].float()
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_forward_matches_transformers_full_and_cached(model_type):
+def test_forward_matches_transformers_full_and_cached(model_type, forward):
     model = family_model(model_type)
     ids = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(1))
     ref = hf_logits(model, ids)
     assert ref.abs().max() > 1.0  # the comparison below means something
-    decoder = Decoder.from_model(model, max_len=32)
+    decoder = decoder_for(model, 32, forward)
     full, _ = decoder(ids, 0)
     assert (full.float() - ref).abs().max() < 1e-4
 
@@ -74,11 +91,11 @@ def test_decoder_shares_the_model_tensors():
     assert decoder.layers[0].qkv.linears[0] is model.model.layers[0].self_attn.q_proj
 
 
-def test_sliding_window_matches_transformers():
+def test_sliding_window_matches_transformers(forward):
     model = family_model("mistral", sliding_window=4)
     ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(2))
     ref = hf_logits(model, ids)
-    decoder = Decoder.from_model(model, max_len=16)
+    decoder = decoder_for(model, 16, forward)
     rows = [decoder(ids[:5], 0)[0]] + [decoder(ids[j:j + 1], j)[0] for j in range(5, 12)]
     assert (torch.cat(rows).float() - ref).abs().max() < 1e-4
 
@@ -96,12 +113,12 @@ def path_to(node, parents):
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma", "mistral", "gemma2", "gemma3_text", "phi3"])
-def test_tree_forward_equals_separate_sequences(model_type):
+def test_tree_forward_equals_separate_sequences(model_type, forward):
     model = family_model(model_type, **({"sliding_window": 7} if model_type == "mistral" else {}))
     g = torch.Generator().manual_seed(3)
     prefix, root = torch.randint(0, VOCAB, (6,), generator=g), torch.randint(0, VOCAB, (1,), generator=g)
     nodes = torch.randint(0, VOCAB, (len(PARENTS),), generator=g)
-    decoder = Decoder.from_model(model, max_len=32)
+    decoder = decoder_for(model, 32, forward)
     decoder(prefix, 0)
     tree_tokens = torch.cat([root, nodes])
     tree_depth = torch.cat([torch.zeros(1, dtype=torch.long), depths(PARENTS)])
@@ -248,16 +265,6 @@ def test_fast_head_decodes_the_same_greedy_tokens():
     assert type(fast_decoder.lm_head).__name__ == "RescoredHead" and torch.equal(fast, exact)
 
 
-def _int4(linear: nn.Linear) -> nn.Module:
-    """``linear`` as the runtime's int4 QuantLinear (GPTQ layout, W4 g32, torch's CPU int4 op)."""
-    from toolkit.formats import gptq
-    from toolkit.quant.primitives import quantize_rtn
-    from toolkit.runtime.quant_linear import QuantLinear
-
-    packed = gptq.pack(quantize_rtn(linear.weight.detach(), 4, 32, True))
-    return QuantLinear(gptq, linear.in_features, linear.out_features, 4, 32, packed, linear.bias, backend="cpu-int4")
-
-
 def test_int4_rows_decode_alike_alone_or_in_a_block():
     """Speculative verification is lossless only if a token's hidden state is the same bits whether it is decoded
     alone (greedy) or among the rows of a block (prefill, verification). The int4 op rounds its input to bf16, so
@@ -265,12 +272,7 @@ def test_int4_rows_decode_alike_alone_or_in_a_block():
     hidden states 0.4 apart; tiny random models do not show it)."""
     from toolkit.models import load_model
 
-    model = load_model("smollm2-135m")
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear):
-                    setattr(parent, name, _int4(child))
+    model = int4_linears(load_model("smollm2-135m"))
     ids = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(11))
     alone = Decoder.from_model(model, max_len=48)
     one_by_one = torch.cat([alone(ids[t:t + 1], t)[1] for t in range(len(ids))])
@@ -286,12 +288,7 @@ def test_prepare_packs_every_int4_linear_once_and_decodes_the_same_tokens(monkey
     from toolkit.runtime import cpu_int4
     from toolkit.runtime.quant_linear import QuantLinear
 
-    model = spread(family_model("llama"))
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear):
-                    setattr(parent, name, _int4(child))
+    model = int4_linears(spread(family_model("llama")))
     ids = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(8)).tolist()
     lazy, _ = generate(Decoder.from_model(model, 40), ids, 16)
     for module in model.modules():

@@ -32,6 +32,7 @@ from torch import nn
 from toolkit.architectures import UnsupportedFamily, family
 from toolkit.decode.kv_cache import KVCache
 from toolkit.decode.lm_head import RescoredHead
+from toolkit.runtime import decode_step
 from toolkit.runtime.quant_linear import QuantLinear, SharedInputLinears
 
 
@@ -94,7 +95,8 @@ class Decoder:
         self.device = self.embed.device
         from transformers.activations import ACT2FN
 
-        self.act = ACT2FN[getattr(config, "hidden_activation", None) or config.hidden_act]  # Gemma 2/3 name it so
+        act_name = getattr(config, "hidden_activation", None) or config.hidden_act  # Gemma 2/3 name it so
+        self.act, self.act_is_silu = ACT2FN[act_name], act_name in ("silu", "swish")
         self.embed_scale = (torch.tensor(config.hidden_size**0.5, dtype=self.dtype).item()
                             if self.family.embed_scale else 1.0)
         self.scale = (config.query_pre_attn_scalar if self.family.query_pre_attn_scalar else self.head_dim) ** -0.5
@@ -162,6 +164,8 @@ class Decoder:
         self.max_len = max_len
         self.cache = KVCache(len(self.layers), self.n_kv_heads, max_len, self.head_dim, self.dtype, kv_dtype,
                              kv_scales, self.device)
+        native = self.dtype == torch.float32 and self.device.type == "cpu" and not self.cache.quantized
+        self.native_step = decode_step.load() if native else None  # None: the torch forward
         self.rope_tables = {}  # RoPE key → (cos, sin), each (max_len, head_dim)
         for key, (inv_freq, attention_scaling) in self.rope.items():
             freqs = torch.outer(torch.arange(max_len, device=self.device).float(), inv_freq.float())
@@ -193,6 +197,20 @@ class Decoder:
         x = F.embedding(tokens.to(self.device), self.embed)  # (T, D)
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
+        layers = self._native_layers if self.native_step is not None else self._torch_layers
+        hidden, features = layers(x, start, rope, masks)
+        logits = self.lm_head(hidden)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        if self.feature_layers:
+            return logits, torch.cat(features, dim=-1)
+        return logits, hidden
+
+    __call__ = forward
+
+    def _torch_layers(self, x: torch.Tensor, start: int, rope: dict, masks: dict
+                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Every decoder layer and the final norm in torch operations: (hidden [T, D], the feature-layer inputs)."""
         features = []
         for i, layer in enumerate(self.layers):
             if self.feature_layers and i in self.feature_layers:
@@ -206,15 +224,38 @@ class Decoder:
             if layer.post_mlp_norm is not None:
                 out = self._rms_norm(out, layer.post_mlp_norm)
             x = x + out
-        hidden = self._rms_norm(x, self.norm)
-        logits = self.lm_head(hidden)
-        if self.final_softcap is not None:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        if self.feature_layers:
-            return logits, torch.cat(features, dim=-1)
-        return logits, hidden
+        return self._rms_norm(x, self.norm), features
 
-    __call__ = forward
+    def _native_layers(self, x: torch.Tensor, start: int, rope: dict, masks: dict
+                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``_torch_layers`` through ``toolkit.runtime.decode_step``: a few C++ calls between the linears, float32
+        attention computed row by row (the same bits alone or in a block, as float64 gives the torch forward)."""
+        ops, eps, offset = self.native_step, self.eps, float(self.family.norm_offset)
+        features = []
+        h = ops.rms_norm(x, self.layers[0].attn_norm, eps, offset)
+        for i, layer in enumerate(self.layers):
+            if self.feature_layers and i in self.feature_layers:
+                features.append(x)
+            k_cache, v_cache = self.cache.k[i, 0], self.cache.v[i, 0]  # (KVH, max_len, hd)
+            q = ops.rope_and_cache(layer.qkv.fused(h), *rope[layer.rope], k_cache, v_cache, start, self.n_heads,
+                                   self.n_kv_heads, layer.q_norm, layer.k_norm, eps, offset)
+            attended = layer.o_proj(ops.attention(q, k_cache, v_cache, start, masks[layer.window], self.scale,
+                                                  self.attn_softcap or 0.0))
+            if layer.post_attn_norm is not None:
+                attended = ops.rms_norm(attended, layer.post_attn_norm, eps, offset)
+            x, h = ops.add_rms_norm(x, attended, layer.mlp_norm, eps, offset)
+            if layer.experts is not None:
+                out = layer.experts(h[None])[0].contiguous()
+            elif self.act_is_silu:
+                out = layer.down_proj(ops.silu_mul(layer.gate_up.fused(h)))
+            else:
+                gate, up = layer.gate_up.fused(h).chunk(2, dim=-1)
+                out = layer.down_proj(self.act(gate) * up)
+            if layer.post_mlp_norm is not None:
+                out = ops.rms_norm(out, layer.post_mlp_norm, eps, offset)
+            x, h = ops.add_rms_norm(x, out, self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm,
+                                    eps, offset)
+        return h, features
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         """The MLP of ``layer`` on x [T, D]: gated, or the sparse block of a Mixture-of-Experts layer."""

@@ -100,6 +100,9 @@ class QuantLinear(nn.Module):
         if problem:
             raise ValueError(f"{problem}; use backend='reference' or 'auto'")
         self._backend = value
+        # what "auto" runs by device, worked out once: path() is asked on every forward
+        self._auto = {kind: "reference" if backend_problem(kind, self.bits, self.group_size, self.in_features) else kind
+                      for kind in ("triton", "cpu-int4")}
 
     def packed(self) -> dict[str, torch.Tensor]:
         """The packed tensors by suffix, as the format module reads them."""
@@ -111,11 +114,9 @@ class QuantLinear(nn.Module):
 
     def path(self, x: torch.Tensor) -> str:
         """The computation a forward on ``x`` runs: ``reference``, ``cpu-int4`` or ``triton``."""
-        backend = self.backend
+        backend = self._backend
         if backend == "auto":
-            backend = "triton" if x.is_cuda else "cpu-int4"
-            if backend_problem(backend, self.bits, self.group_size, self.in_features):
-                return "reference"
+            backend = self._auto["triton" if x.is_cuda else "cpu-int4"]
         if backend == "cpu-int4" and x.numel() > CPU_INT4_MAX_ROWS * self.in_features:
             return "reference"
         return backend
@@ -176,16 +177,29 @@ class SharedInputLinears:
         self._bias = None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self._fusable and all(m.path(x) == "cpu-int4" for m in self.linears):
-            from toolkit.runtime.cpu_int4 import int4_mm_cpu
-
-            self.prepare()
-            if self._fusable:
-                y = int4_mm_cpu(x, self._int4)
-                if self._bias is not None:
-                    y = y + self._bias.to(y.dtype)
-                return y.split([m.out_features for m in self.linears], dim=-1)
+        if self._runs_fused(x):
+            return self._fused_product(x).split([m.out_features for m in self.linears], dim=-1)
         return tuple(m(x) for m in self.linears)
+
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        """The outputs concatenated along the last dimension (one product where they run fused)."""
+        if len(self.linears) == 1:
+            return self.linears[0](x)
+        if self._runs_fused(x):
+            return self._fused_product(x)
+        return torch.cat([m(x) for m in self.linears], dim=-1)
+
+    def _runs_fused(self, x: torch.Tensor) -> bool:
+        if not (self._fusable and all(m.path(x) == "cpu-int4" for m in self.linears)):
+            return False
+        self.prepare()
+        return self._fusable  # prepare() finds act-order linears whose columns differ unfusable
+
+    def _fused_product(self, x: torch.Tensor) -> torch.Tensor:
+        from toolkit.runtime.cpu_int4 import int4_mm_cpu
+
+        y = int4_mm_cpu(x, self._int4)
+        return y if self._bias is None else y + self._bias.to(y.dtype)
 
     def prepare(self) -> None:
         """Pack for the CPU int4 kernel now (else the first call does): the concatenated linears when fusable, else each."""
