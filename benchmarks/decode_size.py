@@ -3,9 +3,10 @@
 At batch 1 a decode step reads every weight once, so its time cannot fall below (bytes read per step) / (memory
 bandwidth). For each model of ``benchmarks/random_llama.py`` (SmolLM2 at W4 g64, whose width 576 no 128 divides;
 the random ~1B and ~3B Llamas at W4 g128), quantized once with ``compound quantize --method rtn --stream``, a child
-process per (model, threads) loads the checkpoint the way ``compound decode`` does (fp32 float tensors, int4 linears
-on the CPU int4 kernel, compound's AVX512-BF16 one where the CPU has it, else torch's op; the rescored bf16 LM head of
-greedy decoding), and measures:
+process per (model, threads, kernel, forward) loads the checkpoint the way ``compound decode`` does (fp32 float
+tensors, int4 linears on a CPU int4 kernel of ``toolkit.runtime.cpu_int4``; the rescored bf16 LM head of greedy
+decoding; the decoder's C++ step between the linears, ``toolkit.runtime.decode_step``, or with ``--forwards`` also its
+torch forward, measured with the first kernel only), and measures:
 
 - load: ``load_quantized`` to a ready ``Decoder`` (int4 weights packed for the kernel, the bf16 head copy made);
 - prefill: the chat-templated prompt of ``PROMPT`` (about 40 tokens) in one forward;
@@ -22,8 +23,8 @@ greedy decoding), and measures:
 bound = bandwidth / bytes per step; ratio = bound / measured tokens/s (1.0 is the bound; issue #28 asks for at most
 2). Nothing else may run during a measurement (the table header prints the load average).
 
-    python benchmarks/decode_size.py [--sizes smollm2,1b,3b] [--threads 1,2] [--kernels avx512-bf16,torch]
-                                     [--tokens 32] [--no-write]
+    python benchmarks/decode_size.py [--sizes smollm2,1b,3b] [--threads 1,2] [--kernels avx512-bf16,avx2-fma,torch]
+                                     [--forwards native,torch] [--tokens 32] [--no-write]
 """
 
 from __future__ import annotations
@@ -94,9 +95,26 @@ def step_bytes(decoder, position: int) -> dict[str, int]:
     return {"weights": weights, "head": head_bytes, "kv": kv}
 
 
-def measure(size: str, threads: int, kernel: str, tokens: int) -> dict:
-    """One child's measurement of ``size`` with ``threads`` torch threads and the CPU int4 ``kernel`` (see the module
-    docstring)."""
+class LabelledStep:
+    """The decoder's C++ step with each call labelled ``decode_step.<function>`` for the profiler (a pybind11 call,
+    which it does not see on its own)."""
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def __getattr__(self, name):
+        function = getattr(self.ops, name)
+
+        def labelled(*args):
+            with torch.profiler.record_function(f"decode_step.{name}"):
+                return function(*args)
+
+        return labelled
+
+
+def measure(size: str, threads: int, kernel: str, forward: str, tokens: int) -> dict:
+    """One child's measurement of ``size`` with ``threads`` torch threads, the CPU int4 ``kernel`` and the decoder's
+    ``forward`` (``native``: its C++ step; ``torch``) (see the module docstring)."""
     from transformers import AutoTokenizer
 
     from toolkit.calibration import chat_prompt_ids
@@ -111,6 +129,10 @@ def measure(size: str, threads: int, kernel: str, tokens: int) -> dict:
     model, tokenizer = load_quantized(path)
     ids = chat_prompt_ids(tokenizer or AutoTokenizer.from_pretrained(path), PROMPT)
     decoder = Decoder.from_model(model, len(ids) + tokens + 16, fast_head=True)
+    if forward == "torch":
+        decoder.native_step = None
+    elif decoder.native_step is None:
+        raise SystemExit("the decoder's C++ step does not run on this machine; pass --forwards torch")
     decoder.prepare()
     load_s = time.perf_counter() - started
     prompt = torch.tensor(ids)
@@ -132,6 +154,8 @@ def measure(size: str, threads: int, kernel: str, tokens: int) -> dict:
                 return int4_mm_cpu(*args, **kwargs)
 
         cpu_int4.int4_mm_cpu = labelled
+        if decoder.native_step is not None:
+            decoder.native_step = LabelledStep(decoder.native_step)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
             for _ in range(8):
                 logits, _ = decoder(torch.tensor([token]), position)
@@ -143,7 +167,7 @@ def measure(size: str, threads: int, kernel: str, tokens: int) -> dict:
     total = sum(t for _, t in ops)
     int4_s = sum(e.cpu_time_total for e in events if e.key == INT4_LABEL) / 1e6 / 8  # µs over 8 steps → s per step
     return {"size": size, "threads": threads, "load_s": load_s, "prefill_s": prefill_s, "prompt": len(ids),
-            "kernel": kernel, "step_s": statistics.median(steps), "bytes": step_bytes(decoder, len(ids) + tokens // 2),
+            "kernel": kernel, "forward": forward, "step_s": statistics.median(steps), "bytes": step_bytes(decoder, len(ids) + tokens // 2),
             "bandwidth": read_bandwidth(), "int4_s": int4_s, "ops": [(name, t / total) for name, t in ops[:4]],
             "parameters": sum(p.numel() for p in model.parameters()) + sum(
                 m.in_features * m.out_features for m in model.modules() if hasattr(m, "packed"))}
@@ -156,6 +180,7 @@ def row(result: dict) -> list[str]:
     bound = result["bandwidth"] / total
     ops = ", ".join(f"{name.removeprefix('aten::')} {share:.0%}" for name, share in result["ops"][:3])
     return [result["size"], f"{result['parameters'] / 1e9:.2f} B", str(result["threads"]), result["kernel"],
+            result["forward"],
             f"{result['bytes']['weights'] / 1e6:.0f} + {result['bytes']['head'] / 1e6:.0f} + "
             f"{result['bytes']['kv'] / 1e6:.1f}", f"{result['bandwidth'] / 1e9:.1f}", f"{bound:.1f}",
             f"{tokens_per_s:.1f}", f"{bound / tokens_per_s:.2f}", f"{result['step_s'] * 1e3:.1f}",
@@ -163,7 +188,7 @@ def row(result: dict) -> list[str]:
             f"{result['prefill_s']:.2f}", f"{result['load_s']:.1f}", ops]
 
 
-COLUMNS = ["model", "parameters", "threads", "int4 kernel", "MB read per step (int4 weights + head + KV)", "read bandwidth (GB/s)",
+COLUMNS = ["model", "parameters", "threads", "int4 kernel", "forward", "MB read per step (int4 weights + head + KV)", "read bandwidth (GB/s)",
            "bound (tok/s)", "measured (tok/s)", "bound / measured", "step (ms)", "int4 op (GB/s in the step)", "prefill (s)", "load (s)",
            "self time by op (profiler, 8 steps)"]
 
@@ -198,12 +223,15 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
     parser.add_argument("--kernels", default=",".join(available_kernels()),
                         help="comma-separated CPU int4 kernels (default: every one this machine runs)")
+    parser.add_argument("--forwards", default="native,torch",
+                        help="comma-separated decoder forwards: native (its C++ step, every kernel), torch (its torch "
+                             "forward, with the first kernel only)")
     parser.add_argument("--tokens", type=int, default=32, help="timed decode steps per run")
-    parser.add_argument("--child", nargs=3, metavar=("SIZE", "THREADS", "KERNEL"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=4, metavar=("SIZE", "THREADS", "KERNEL", "FORWARD"), help=argparse.SUPPRESS)
     parser.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child[0], int(args.child[1]), args.child[2], args.tokens)))
+        print(json.dumps(measure(args.child[0], int(args.child[1]), args.child[2], args.child[3], args.tokens)))
         return
     sizes = args.sizes.split(",")
     for size in sizes:
@@ -211,12 +239,15 @@ def main() -> None:
     results = []
     for size in sizes:
         for threads in map(int, args.threads.split(",")):
-            for kernel in args.kernels.split(","):
+            kernels, forwards = args.kernels.split(","), args.forwards.split(",")
+            runs = [(kernel, "native") for kernel in kernels if "native" in forwards]
+            runs += [(kernels[0], "torch")] if "torch" in forwards else []
+            for kernel, forward in runs:
                 env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-                child = subprocess.run([sys.executable, "-P", __file__, "--child", size, str(threads), kernel,
+                child = subprocess.run([sys.executable, "-P", __file__, "--child", size, str(threads), kernel, forward,
                                         "--tokens", str(args.tokens)], env=env, capture_output=True, text=True)
                 if child.returncode:
-                    sys.exit(f"{size}, {threads} threads, {kernel} failed:\n{child.stderr[-3000:]}")
+                    sys.exit(f"{size}, {threads} threads, {kernel}, {forward} forward failed:\n{child.stderr[-3000:]}")
                 results.append(json.loads(child.stdout.strip().splitlines()[-1]))
                 print(markdown_table(COLUMNS, [row(results[-1])]), flush=True)
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg())

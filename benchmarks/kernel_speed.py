@@ -1,7 +1,9 @@
 """W4A16 kernel benchmarks against dense matmul, for the linear shapes of SmolLM2-135M, Llama-3-8B and Llama-3-70B.
 
-CPU: the CPU int4 kernels of ``toolkit.runtime.cpu_int4`` this machine runs (compound's AVX512-BF16 one and torch's
-op, bf16 activations) vs fp32 and bf16 ``torch.matmul``.
+CPU: the CPU int4 kernels of ``toolkit.runtime.cpu_int4`` this machine runs (compound's AVX512-BF16 and AVX2-FMA ones,
+torch's op; fp32 activations, as compound's decoder gives them) vs fp32 and bf16 ``torch.matmul``. To see torch's
+side as a CPU without AVX-512 runs it, set ``ATEN_CPU_CAPABILITY=avx2`` (torch then dispatches its AVX2 kernels;
+compound's AVX2-FMA kernel is the same code on either CPU) and pass ``--section``, so the default table stays.
 CUDA (when present): the Triton GPTQ / AWQ / compressed-tensors kernels vs fp16 ``torch.matmul``, with the fraction
 of the GPU's peak memory bandwidth each reaches.
 
@@ -14,13 +16,13 @@ slice (2 threads at load 14 on 2 cores put a ~20 ms floor under every call).
     python benchmarks/kernel_speed.py                       # all models, M = 1 and 16, print the table
     python benchmarks/kernel_speed.py --models smollm2-135m --m 1 512 --threads 1
     python benchmarks/kernel_speed.py --write BENCHMARKS.md  # also replace the "## Kernels" section of that file
+    ATEN_CPU_CAPABILITY=avx2 python benchmarks/kernel_speed.py --kernels avx2-fma torch --section "Kernels (AVX2)" ...
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -30,7 +32,7 @@ import sys
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import update_section  # noqa: E402
+from report import cpu_name, update_section  # noqa: E402
 
 from toolkit.runtime.cpu_int4 import available_kernels, int4_mm_cpu, prepare_int4_cpu  # noqa: E402
 
@@ -75,15 +77,14 @@ def _random_quantized(N: int, K: int, group_size: int, gen: torch.Generator):
 # ---- CPU --------------------------------------------------------------------------------------------------------
 
 
-def bench_cpu(models: list[str], ms: list[int], repeats: int) -> list[dict]:
+def bench_cpu(models: list[str], ms: list[int], repeats: int, kernels: list[str]) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     rows = []
     for model in models:
         for linear, K, N in SHAPES[model]:
             group_size = group_size_for(K)
             codes, scale, zero = _random_quantized(N, K, group_size, gen)
-            handles = {kernel: prepare_int4_cpu(codes, scale, zero, group_size, kernel=kernel)
-                       for kernel in available_kernels()}
+            handles = {kernel: prepare_int4_cpu(codes, scale, zero, group_size, kernel=kernel) for kernel in kernels}
             del codes
             W = torch.randn(N, K, generator=gen)  # (N, K) fp32
             W_bf16 = W.bfloat16()
@@ -100,8 +101,8 @@ def bench_cpu(models: list[str], ms: list[int], repeats: int) -> list[dict]:
                     "int4": {},
                 })
                 for kernel, handle in handles.items():
-                    t_int4 = median_seconds(lambda: int4_mm_cpu(x_bf16, handle), repeats)
-                    rows[-1]["int4"][kernel] = (t_int4 * 1e6, (handle.read_bytes() + x.numel() * 2) / t_int4 / 1e9)
+                    t_int4 = median_seconds(lambda: int4_mm_cpu(x, handle), repeats)
+                    rows[-1]["int4"][kernel] = (t_int4 * 1e6, (handle.read_bytes() + x.numel() * 4) / t_int4 / 1e9)
                 print(_cpu_line(rows[-1]), flush=True)
             del W, W_bf16, handles
     return rows
@@ -109,7 +110,7 @@ def bench_cpu(models: list[str], ms: list[int], repeats: int) -> list[dict]:
 
 def _cpu_line(r: dict) -> str:
     """One row: dense times, then each int4 kernel's time and bandwidth, fastest kernel first."""
-    fastest_us = r["int4"][available_kernels()[0]][0]
+    fastest_us = next(iter(r["int4"].values()))[0]
     kernels = " | ".join(f"{us:.0f}" for us, _ in r["int4"].values())
     bandwidths = " / ".join(f"{gbps:.1f}" for _, gbps in r["int4"].values())
     return (f"| {r['model']} | {r['linear']} | {r['K']}→{r['N']} | {r['M']} | {r['fp32_us']:.0f} | {r['bf16_us']:.0f} | "
@@ -117,15 +118,16 @@ def _cpu_line(r: dict) -> str:
             f"{r['fp32_gbps']:.1f} / {r['bf16_gbps']:.1f} / {bandwidths} |")
 
 
-def cpu_markdown(rows: list[dict], threads: int, load: tuple[float, float, float]) -> str:
-    kernels = available_kernels()
+def cpu_markdown(rows: list[dict], kernels: list[str], threads: int, load: tuple[float, float, float]) -> str:
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
     header = [
-        f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{threads} thread(s), load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} during the run "
-        "(shared with other processes: treat small differences as noise). int4 kernels on bf16 activations: "
-        + ", ".join(f"`{k}`" for k in kernels) + " (`avx512-bf16`: compound's, `toolkit/runtime/cpu_int4_avx512.cpp`; "
-        "`torch`: `_weight_int4pack_mm_for_cpu`, whose fp32/fp16 paths are a scalar fallback, 50–300× slower); "
-        f"the ratios are the fastest ({kernels[0]}). Group size 128, or 64 where 128 does not divide K. "
+        f"CPU: {cpu_name()}, torch {torch.__version__}"
+        + (f" with ATEN_CPU_CAPABILITY={capability} (torch's kernels as a CPU with only that runs them)" if capability else "")
+        + f", {threads} thread(s), load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} during the run. int4 "
+        "kernels on fp32 activations: " + ", ".join(f"`{k}`" for k in kernels) + " (`avx512-bf16` and `avx2-fma`: "
+        "compound's, `toolkit/runtime/cpu_int4_avx512.cpp` and `cpu_int4_avx2.cpp`; `torch`: "
+        "`_weight_int4pack_mm_for_cpu` in bf16, its fp32/fp16 paths being a scalar fallback, 50–300× slower); "
+        f"the ratios are the first ({kernels[0]}). Group size 128, or 64 where 128 does not divide K. "
         "Bandwidth = (weight bytes as the kernel reads them + x bytes) / time.",
         "",
         f"| model | linear | K→N | M | fp32 mm µs | bf16 mm µs | {' | '.join(f'int4 {k} µs' for k in kernels)} | "
@@ -211,25 +213,31 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--m", nargs="+", type=int, default=[1, 16], help="rows of x (tokens per call)")
     parser.add_argument("--repeats", type=int, default=9, help="timed calls per measurement (median reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--write", metavar="PATH", help="replace the '## Kernels' section of this markdown file")
+    parser.add_argument("--kernels", nargs="+", default=available_kernels(), choices=available_kernels(),
+                        help="CPU int4 kernels to time (default: every one this machine runs, fastest first)")
+    parser.add_argument("--write", metavar="PATH", help="replace the --section section of this markdown file")
+    parser.add_argument("--section", default="Kernels", help="the section --write replaces")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     parts = []
-    rows = bench_cpu(args.models, args.m, args.repeats)
-    parts.append(cpu_markdown(rows, torch.get_num_threads(), os.getloadavg()))
+    rows = bench_cpu(args.models, args.m, args.repeats, args.kernels)
+    parts.append(cpu_markdown(rows, args.kernels, torch.get_num_threads(), os.getloadavg()))
     if torch.cuda.is_available():
         peak, source = _peak_gbps()
         parts.append(cuda_markdown(bench_cuda(args.models, args.m, peak), peak, source))
     else:
         parts.append("GPU: no CUDA device in this run (none was lent to the task that wrote it), so the Triton "
                      "kernels' GPU table is still to be measured; they are tested under TRITON_INTERPRET=1.")
-    parts.insert(0, f"Command: `python benchmarks/kernel_speed.py {' '.join(argv if argv is not None else sys.argv[1:])}`")
+    command = " ".join(argv if argv is not None else sys.argv[1:])
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    prefix = f"ATEN_CPU_CAPABILITY={capability} " if capability else ""
+    parts.insert(0, f"Command: `{prefix}python benchmarks/kernel_speed.py {command}`")
     markdown = "\n\n".join(parts)
     print(markdown)
     if args.write:
-        update_section("Kernels", markdown, Path(args.write))
+        update_section(args.section, markdown, Path(args.write))
     return markdown
 
 

@@ -19,6 +19,12 @@ explicit softmax (``scaled_dot_product_attention`` cannot cap), in fp32 as trans
 
 RoPE: the static frequency schemes (default, linear, llama3, yarn) are read from the model's rotary module; schemes
 whose frequencies change with the sequence length (dynamic NTK, longrope) are refused.
+
+Two forwards compute the same layers. A float32 model with a float cache on a CPU runs the work between its linears
+as a few C++ calls per layer (``toolkit.runtime.decode_step``: on SmolLM2 W4 that took a two-thread step from 13-15
+to 7.7 ms, since the twenty-odd torch operations each cost more to dispatch than to compute); everything else, and
+every model where that file does not build, runs the torch forward, which stays the reference the C++ step is tested
+against. Both give a token the same bits decoded alone as among a block's rows (see ``attention_dtype``).
 """
 
 from __future__ import annotations
@@ -324,7 +330,7 @@ class Decoder:
 
 
 def attention_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What the attention of a ``dtype`` model computes in.
+    """What the torch forward's attention of a ``dtype`` model computes in.
 
     float32 models: float64, so that a query's attention rounds to the same float32 whether it is computed alone
     (greedy decoding) or among the rows of a prefill or a speculative tree (verification). In float32, scores and
@@ -333,6 +339,9 @@ def attention_dtype(dtype: torch.dtype) -> torch.dtype:
     token: on an AVX2 CPU (no AVX-512) SmolLM2 W4's hidden states differed by up to 0.4 between a 10-token block
     and one token at a time, and speculative decoding was not lossless. In float64 the two agree bit for bit
     (tests/decode/test_model.py), at no measurable cost on SmolLM2 (attention is a few % of a step).
+
+    The C++ step of float32 models (``toolkit.runtime.decode_step``) needs no float64: it computes each row alone, in
+    one fixed order, so it attends in float32.
 
     Other dtypes: the model dtype, as vLLM's CPU backend computes it. Upcasting a bf16 model's attention would move
     bf16 greedy paths away from vLLM's: in fp32 the EAGLE-3 W4 acceptance predicted for vLLM fell from 1.47 to 1.27

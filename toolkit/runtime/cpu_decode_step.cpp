@@ -8,6 +8,7 @@
 // -ffp-contract=off, so the element-wise formulas round as torch's element-wise operations do.
 
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <torch/extension.h>
 
 #include <cmath>
@@ -34,11 +35,51 @@ void rope_head(float* x, const float* cos, const float* sin, int64_t hd) {
   }
 }
 
-float dot(const float* a, const float* b, int64_t n) {
-  float total = 0.f;
-#pragma omp simd reduction(+ : total)
-  for (int64_t i = 0; i < n; ++i) total += a[i] * b[i];
-  return total;
+// scores[j] = q · k_j for four keys at once: one FMA chain per key over the head in 8-float steps, then one fixed
+// tree of horizontal adds, so a key's score is the same bits in every call (hd a multiple of 8).
+void dot4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3, int64_t hd, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  for (int64_t d = 0; d < hd; d += 8) {
+    const __m256 x = _mm256_loadu_ps(q + d);
+    a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + d), a0);
+    a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k1 + d), a1);
+    a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k2 + d), a2);
+    a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k3 + d), a3);
+  }
+  const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  // per 128-bit half
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)));
+}
+
+// q · k for each of n keys (key_rows[j] points at key j), eight at a time as two interleaved groups of four (their
+// FMA chains hide each other's latency); a short last group reads key 0 again.
+void scores_of(const float* q, const float* const* key_rows, int64_t n, int64_t hd, float* out) {
+  float eight[8];
+  for (int64_t j = 0; j < n; j += 8) {
+    const float* k[8];
+    for (int i = 0; i < 8; ++i) k[i] = key_rows[j + i < n ? j + i : 0];
+    dot4(q, k[0], k[1], k[2], k[3], hd, eight);
+    dot4(q, k[4], k[5], k[6], k[7], hd, eight + 4);
+    for (int i = 0; i < 8 && j + i < n; ++i) out[j + i] = eight[i];
+  }
+}
+
+// e^x for 8 floats x ≤ 0 (Cephes' expf: x = n·ln 2 + r, a degree-7 polynomial in r, 2^n in the exponent bits),
+// within 2 ulp of the true value; below −87 it returns e^−87 (an attention weight of 1e−38 is zero in any sum).
+__m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
 }
 
 void check_rows(const torch::Tensor& t, const char* name) {
@@ -130,8 +171,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
   const int64_t T = q.size(0), H = q.size(1), hd = q.size(2), KVH = k_cache.size(0), S = k_cache.size(1);
   const int64_t end = start + T;
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(2) == hd &&
-                  v_cache.sizes() == k_cache.sizes() && H % KVH == 0 && end <= S,
-              "attention: caches float32 [KVH, S, hd] holding slots [0, start + T), H a multiple of KVH");
+                  v_cache.sizes() == k_cache.sizes() && H % KVH == 0 && end <= S && hd % 8 == 0,
+              "attention: caches float32 [KVH, S, hd] holding slots [0, start + T), H a multiple of KVH, hd of 8s");
   const bool masked = mask.has_value() && mask->defined();
   if (masked)
     TORCH_CHECK(mask->scalar_type() == at::kBool && mask->is_contiguous() && mask->size(0) == T && mask->size(1) == end,
@@ -144,34 +185,47 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, end * hd));  // small work stays serial
   at::parallel_for(0, T * H, grain, [&](int64_t begin, int64_t stop) {
-    std::vector<float> scores(end);
+    std::vector<float> scores(end + 8);
     std::vector<int64_t> keys(end);
+    std::vector<const float*> key_rows(end);
     for (int64_t item = begin; item < stop; ++item) {
       const int64_t t = item / H, h = item % H, kv = h / groups;
       const float* qv = qp + item * hd;
       const float *kh = kc + kv * S * hd, *vh = vc + kv * S * hd;
       int64_t n = 0;
+      for (int64_t s = 0; s < end; ++s)
+        if (masked ? mp[t * end + s] : s <= start + t) {
+          keys[n] = s;
+          key_rows[n++] = kh + s * hd;
+        }
+      scores_of(qv, key_rows.data(), n, hd, scores.data());
       float best = -std::numeric_limits<float>::infinity();
-      for (int64_t s = 0; s < end; ++s) {
-        if (masked ? !mp[t * end + s] : s > start + t) continue;
-        float score = dot(qv, kh + s * hd, hd) * fscale;
+      for (int64_t j = 0; j < n; ++j) {
+        float score = scores[j] * fscale;
         if (cap > 0.f) score = std::tanh(score / cap) * cap;
-        scores[n] = score;
-        keys[n++] = s;
+        scores[j] = score;
         best = std::max(best, score);
       }
-      float* o = op + item * hd;
-      std::fill(o, o + hd, 0.f);
+      // weights e^(score − best), eight at a time (the scores padded to a multiple of 8), summed in key order
+      for (int64_t j = n; j < ((n + 7) & ~int64_t{7}); ++j) scores[j] = best;
+      const __m256 shift = _mm256_set1_ps(best);
+      for (int64_t j = 0; j < n; j += 8)
+        _mm256_storeu_ps(&scores[j], exp8(_mm256_sub_ps(_mm256_loadu_ps(&scores[j]), shift)));
       float total = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
-        const float p = std::exp(scores[j] - best);
-        total += p;
-        const float* v = vh + keys[j] * hd;
-#pragma omp simd
-        for (int64_t d = 0; d < hd; ++d) o[d] += p * v[d];
+      for (int64_t j = 0; j < n; ++j) total += scores[j];
+      const __m256 inverse = _mm256_set1_ps(1.f / total);
+      float* o = op + item * hd;
+      for (int64_t d = 0; d < hd; d += 64) {  // 64 outputs at a time in registers, each summing its keys in order
+        const int chunks = static_cast<int>(std::min<int64_t>(8, (hd - d) / 8));
+        __m256 sums[8];
+        for (int c = 0; c < 8; ++c) sums[c] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; ++j) {
+          const __m256 p = _mm256_set1_ps(scores[j]);
+          const float* v = vh + keys[j] * hd + d;
+          for (int c = 0; c < chunks; ++c) sums[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), sums[c]);
+        }
+        for (int c = 0; c < chunks; ++c) _mm256_storeu_ps(o + d + 8 * c, _mm256_mul_ps(sums[c], inverse));
       }
-      const float inverse = 1.f / total;
-      for (int64_t d = 0; d < hd; ++d) o[d] *= inverse;
     }
   });
   return out;
