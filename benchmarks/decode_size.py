@@ -193,28 +193,34 @@ COLUMNS = ["model", "parameters", "threads", "int4 kernel", "forward", "MB read 
            "self time by op (profiler, 8 steps)"]
 
 
-FINDINGS = """Where a step's time goes, and what changed on 2026-12-04 and 12-05 (issue #28, item 9):
+FINDINGS = """Where a step's time goes, and what changed (issue #28, item 9). "native" rows run the decoder's C++ step
+between the linears (`toolkit/runtime/decode_step.py`, 2026-12-06), "torch" rows its torch forward, the reference:
 
-- The 0.2 tok/s of the 3B in "Quantizing models larger than memory" was mostly not decoding: the first forward packed
-  every int4 weight for torch's op (28 s for the 3B) inside the timed 8 tokens. `Decoder.prepare()` now packs before
-  decoding starts (`compound decode` prints it as load time; that table's 3B RTN rows of 2026-12-04 now decode at
-  5.3 tok/s), and GPTQ/AWQ unpacking is 1.3-3.5x faster (the 3B's load from 49 s to 24 s on one thread).
-- The rescored bf16 LM head ran its one-row product as a matrix product; torch's bf16 `mv` takes half the time
-  (49152 x 3072: 34 ms to 22 ms on one thread), with the same fp32 rescoring of the top logits.
-- torch's int4 op was 70-80 % of a 1B/3B step at about half the read bandwidth: it dequantizes every weight to fp32
-  and multiplies in fp32. compound's own kernel (`toolkit/runtime/cpu_int4_avx512.cpp`, the "avx512-bf16" rows)
-  reads each code as the bf16 number 128 + q with one bitwise operation, multiplies 16 columns by two inputs with one
-  AVX512-BF16 `vdpbf16ps`, applies the exact fp32 scale and offset once per group, and prefetches 2 KiB ahead in
-  each block's stream. In the step it reads 10.6-11.2 GB/s on one thread and 15-20 GB/s on two (torch's op:
-  7.2-7.7 and 12.7-13.3), so the 1B and 3B steps come within 1.44-1.78x of the bound (torch's op: 1.72-2.15x) at
-  the same numerics class (x rounded to bf16, fp32 sums; the weight now exact where torch's op rounds its zero to
-  bf16). Its fp32 scale and offset read 6-8 % more bytes than torch's bf16 pairs, counted in the bound. Two runs
-  of this table on the same day differed by up to 15 % in tokens/s and in the measured bandwidth (1B on two
-  threads: 1.48x and 1.78x), so read the ratios to about that.
-- SmolLM2 (120 MB a step) sits in this CPU's L3 cache, so the DRAM bound does not bind it: on one thread it comes
-  within 1.96x, on two threads 2.43x (2.97x in the earlier run), where a step is dominated by Python and dispatch
-  overhead over 30 small layers (its int4 calls move 66 MB at 8 GB/s, well under the kernel's speed on large
-  weights), which only a compiled step would remove."""
+- 2026-12-04: the 0.2 tok/s of the 3B in "Quantizing models larger than memory" was mostly not decoding: the first
+  forward packed every int4 weight for torch's op (28 s for the 3B) inside the timed 8 tokens. `Decoder.prepare()`
+  now packs before decoding starts (`compound decode` prints it as load time), and GPTQ/AWQ unpacking is 1.3-3.5x
+  faster. The rescored bf16 LM head runs its one-row product as torch's bf16 `mv`, half its matmul's time.
+- 2026-12-05: torch's int4 op was 70-80 % of a 1B/3B step at about half the read bandwidth (it dequantizes every
+  weight to fp32 and multiplies in fp32). compound's own kernel (`toolkit/runtime/cpu_int4_avx512.cpp`, the
+  "avx512-bf16" rows) reads each code as the bf16 number 128 + q with one bitwise operation, multiplies 16 columns by
+  two inputs with one `vdpbf16ps`, applies the exact fp32 scale and offset once per group, and prefetches 2 KiB
+  ahead; it brought the 1B and 3B within 1.3-1.8x of the bound. Its fp32 scale and offset read 6-8 % more bytes than
+  torch's bf16 pairs, counted in the bound.
+- 2026-12-06: SmolLM2's step was dispatch-bound: of 13-15 ms on two threads, about 6 ms went to the ~200 torch
+  operations per layer between the linears (norms, RoPE, cache writes, dtype casts, float64 attention, residual adds),
+  1-3 µs each, more than its int4 products (the profiler column of a "torch" row lists `copy_` and friends). The C++
+  step does that work in five calls per layer (RMSNorm with the residual add before it, q/k norms with RoPE and the
+  cache write, float32 attention computed row by row, `silu(gate) * up`), and `int4_mm_cpu` lost its per-call casts
+  (avx512-bf16 rounds fp32 x to bf16 itself): the SmolLM2 rows moved from 2.2-3.0x to within 2x of the bound on one
+  and two threads, and the 1B/3B rows gained a few percent. What is left of a SmolLM2 step is the int4 products
+  (about half: 120 small calls at 10-13 GB/s, where a large weight streams at 15-20) and the bf16 head (a quarter, at
+  the bound's bandwidth).
+- The "avx2-fma" rows are compound's kernel for CPUs without AVX-512 (`toolkit/runtime/cpu_int4_avx2.cpp`: a code
+  becomes the fp32 number 1 + q/16 in three integer operations, one FMA per 8 columns, x exact in fp32), measured on
+  this AVX-512 CPU: its speed against torch's op as an AVX2-only CPU runs it is in "Kernels (torch's op as on a CPU
+  without AVX-512)" (1.7-1.9x faster at one row).
+- Two runs of this table on the same day differ by up to 15 % in tokens/s and in the measured bandwidth, so read the
+  ratios to about that."""
 
 
 def main() -> None:

@@ -76,12 +76,19 @@ def test_decode_a_float_and_a_quantized_tiny_model(tmp_path, tiny_llama_dir):
     assert "tokens/s" in result.output and "greedy" in result.output
     assert "new tokens" in result.output and "prompt tokens" in result.output
     assert "load (read weights, pack int4)" in result.output
+    from toolkit.runtime import decode_step
+
+    step = "C++ decode step" if decode_step.load() is not None else "torch forward"
+    assert f"CPU kernels {step}" in " ".join(result.output.replace("│", " ").split())  # a float model: no int4 kernel
     out = tmp_path / "q"
     assert run("quantize", "--model", tiny_llama_dir, "--group-size", "32", "--output", out).exit_code == 0
     result = run("decode", "--model", out, "--prompt", "Hi", "--max-new-tokens", "4", "--kv-cache", "int8",
                  "--temperature", "0.8")
     assert result.exit_code == 0, result.output
     assert "T=0.8, KV cache int8" in result.output
+    from toolkit.runtime.cpu_int4 import default_kernel
+
+    assert f"int4 {default_kernel()}, torch forward" in " ".join(result.output.replace("│", " ").split())  # an INT8 cache: torch's
 
 
 def test_decode_refuses_an_unknown_kv_cache(tiny_llama_dir):

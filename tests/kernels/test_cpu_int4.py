@@ -133,6 +133,16 @@ def test_matches_reference(layout, dtype, M, kernel):
                 int4_mm_cpu(x, handle, compute_dtype=None)
 
 
+def test_fp32_x_is_rounded_as_torch_rounds_it(native_kernel):
+    """A native kernel given fp32 x rounds it to its x dtype itself: the same bits as x rounded by torch first,
+    ties to even included (1 + 2⁻⁸ lies halfway between two bf16 numbers)."""
+    case = make_case("gptq", N=32, K=128, group_size=64, seed=6)
+    handle = prepare(case, native_kernel)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(3))
+    x[0, :4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130])  # ties both ways, a subnormal
+    assert torch.equal(int4_mm_cpu(x, handle), int4_mm_cpu(x.to(x_dtype(native_kernel)).float(), handle))
+
+
 def test_act_order_permutes_x(kernel):
     case = make_case("gptq", N=40, K=192, group_size=32, act_order=True, seed=4)
     handle = prepare(case, kernel)

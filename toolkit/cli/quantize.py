@@ -207,7 +207,20 @@ def decode(
     table.add_row("wall time (prefill + decode)", f"{stats.total_s:.2f} s")
     table.add_row("tokens/s", f"{stats.tokens_per_s:.1f}")
     table.add_row("threads", str(threads))
+    table.add_row("CPU kernels", _kernels_line(loaded, decoder))
     Console().print(fit(table))
+
+
+def _kernels_line(model, decoder) -> str:
+    """What runs a decode step on the CPU: the int4 kernel (where the model has int4 linears) and the forward."""
+    from toolkit.runtime.cpu_int4 import default_kernel
+    from toolkit.runtime.quant_linear import QuantLinear
+
+    if decoder.device.type != "cpu":
+        return "none (not on the CPU)"
+    forward = "C++ decode step" if decoder.native_step is not None else "torch forward"
+    int4 = any(isinstance(m, QuantLinear) and m.takes_cpu_int4() for m in model.modules())
+    return f"int4 {default_kernel()}, {forward}" if int4 else forward
 
 
 def _experts_line(report: dict) -> str:

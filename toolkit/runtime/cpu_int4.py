@@ -205,7 +205,7 @@ class NativeKernel:
     """One of compound's kernels: how it is built (``native``) and how it reads a weight. Blocks of ``block``
     output columns packed by ``pack``; each code q read as the number (bias + q) / unit, so that
     W = s·(q − z) = (unit·s)·(bias + q)/unit − (z + bias)·s: stored scale unit·s and offset −(z + bias)·s per (group,
-    column); x rounded to ``x_dtype`` before the kernel reads it (the C++ checks it)."""
+    column); x rounded to ``x_dtype`` (to nearest even, by the kernel itself for fp32 x)."""
 
     build: native.NativeBuild
     block: int
@@ -273,8 +273,10 @@ def int4_mm_cpu(x: torch.Tensor, weight: Int4CpuWeight, compute_dtype: torch.dty
         if native.x_dtype != torch.float32 and dtype != native.x_dtype:
             raise ValueError(f"the {weight.kernel} kernel computes in {native.x_dtype} only; prepare with "
                              f"kernel='torch' for compute_dtype {dtype}")
-        y = native.load().w4_mm(x2.to(native.x_dtype).contiguous(), weight.packed, weight.scales, weight.offsets,
-                                weight.group_size, weight.N)  # (M, N) fp32
+        if x2.dtype != torch.float32:  # fp32 x: every native kernel rounds it to its x dtype itself
+            x2 = x2.to(native.x_dtype)
+        y = native.load().w4_mm(x2.contiguous(), weight.packed, weight.scales, weight.offsets, weight.group_size,
+                                weight.N)  # (M, N) fp32
         if x.dtype != torch.float32:
             y = y.to(x.dtype)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.N)

@@ -68,7 +68,8 @@ void block_rows(const at::BFloat16* x, int64_t K, const float* x_group_sums, int
 
 }  // namespace
 
-// x [M, K] bf16 (cpu_int4.py rounds it), packed/scale/offset as above → y [M, N] fp32.
+// x [M, K] bf16, or fp32 rounded to bf16 here (to nearest even, as torch rounds: one torch call less per product
+// on a decode step), packed/scale/offset as above → y [M, N] fp32.
 torch::Tensor w4_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor offset,
                     int64_t group_size, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == 64, "w4_mm: x [M, K], packed [NB, K/8, 64]");
@@ -80,10 +81,15 @@ torch::Tensor w4_mm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, 
   TORCH_CHECK(N > (NB - 1) * kBlockN && N <= NB * kBlockN, "w4_mm: N must lie in the last block of 16 columns");
   const int64_t G = K / group_size;
   TORCH_CHECK(scale.numel() == NB * G * kBlockN && offset.numel() == NB * G * kBlockN, "w4_mm: scale, offset [NB, G, 16]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "w4_mm: x contiguous bf16");
-  const torch::Tensor& xb = x;
+  TORCH_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && x.is_contiguous(),
+              "w4_mm: x contiguous bf16 or fp32");
+  std::vector<at::BFloat16> rounded;
+  if (x.scalar_type() == at::kFloat) {
+    const float* xf = x.data_ptr<float>();
+    rounded.assign(xf, xf + M * K);  // c10::BFloat16(float): round to nearest even
+  }
   const torch::Tensor codes = packed.contiguous(), sc = scale.contiguous(), off = offset.contiguous();
-  const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
+  const at::BFloat16* xp = rounded.empty() ? x.data_ptr<at::BFloat16>() : rounded.data();
   std::vector<float> group_sums(M * G);  // Σ_{k∈g} x[k] of the bf16-rounded x, in fp32
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) {
