@@ -7,7 +7,8 @@ threads, for
 
 - ``transformers`` ``generate`` (fp32, its dynamic cache), the baseline;
 - compound's loop (``toolkit.decode.generate`` over a static cache): fp32; bf16; fp32 with an INT8 KV cache;
-- compound's loop on a W4 g64 GPTQ checkpoint (RTN) whose linears run torch's int4 CPU op (backend ``cpu-int4``),
+- compound's loop on a W4 g64 GPTQ checkpoint (RTN) whose linears run the CPU int4 kernel (backend ``cpu-int4``:
+  compound's own where the CPU has AVX512-BF16 or AVX2, else torch's op),
   with the rest of the model (embedding / tied lm_head, norms) in fp32 and in bf16;
 - GPTQModel (its own venv, ``benchmarks/peers/setup.sh gptqmodel``) on the same checkpoint and prompts, each of its
   CPU backends, in bf16 (its int4 kernels take fp16/bf16 only), through ``transformers`` ``generate``.
@@ -113,7 +114,7 @@ def time_gptqmodel(checkpoint: Path, prompts: list[list[int]], new: int, runs: i
 
 
 def gptqmodel_version() -> str:
-    done = subprocess.run([str(GPTQMODEL_PYTHON), "-c", "import gptqmodel; print(gptqmodel.__version__)"],
+    done = subprocess.run([str(GPTQMODEL_PYTHON), "-P", "-c", "import gptqmodel; print(gptqmodel.__version__)"],
                           capture_output=True, text=True)
     return done.stdout.strip().splitlines()[-1] if done.returncode == 0 else "?"
 
@@ -255,6 +256,8 @@ def main() -> None:
          ["INT8 (+ fp32 scale per token and head)", f"{ppl_int8:.3f} ({ppl_int8 - ppl_float:+.3f})",
           f"{int8_bytes / 2**20:.1f} MiB ({1 - int8_bytes / float_bytes:.0%} less than fp32, "
           f"{1 - int8_bytes / bf16_bytes:.0%} less than bf16)"]])
+    from toolkit.runtime.cpu_int4 import default_kernel
+
     command = "python benchmarks/decode.py" + (f" --checkpoint {args.checkpoint}" if args.checkpoint else "")
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     body = (
@@ -264,13 +267,14 @@ def main() -> None:
         f"), prefill included; median over prompts × {runs} runs after a warm-up; torch threads = {args.threads}; "
         f"{cpu_name()}, torch {torch.__version__}, load average {load} at the end. The W4 checkpoint is "
         f"`compound quantize --model {MODEL} --method rtn --bits 4 --group-size 64` (GPTQ layout); compound runs its "
-        "linears on torch's int4 CPU op (`backend=\"cpu-int4\"`, bf16 compute, q/k/v and gate/up fused into one "
-        "call each); the tied embedding / lm_head stays in the model dtype, or with the rescored head "
+        f"linears on the CPU int4 kernel `{default_kernel()}` (`backend=\"cpu-int4\"`, q/k/v and gate/up fused into "
+        "one call each), and a float32 model's work between them in its C++ decode step "
+        "(`toolkit/runtime/decode_step.py`); the tied embedding / lm_head stays in the model dtype, or with the rescored head "
         "(`Decoder.from_model(..., fast_head=True)`, what `compound decode` uses for greedy decoding) runs as a bf16 "
         "matmul whose top 16 logits per row are recomputed in fp32. GPTQModel loads the same directory "
         "(`GPTQModel.load(..., backend=...)`, bf16) and decodes with `transformers` `generate`.\n\n"
         f"{table}{versus}\n\n"
-        "Greedy agreement: with fp32 activations the int4 path (the same bf16 int4 op) reproduces the dequantized "
+        "Greedy agreement: with fp32 activations the int4 path reproduces the dequantized "
         "reference token for token on every prompt, with the exact or the rescored head; with the whole model in "
         "bf16 (norms, attention, residual stream, lm_head), greedy paths part where two tokens nearly tie, for "
         "GPTQModel as for compound, and the margin printed there is the fp32 reference's.\n\n"
