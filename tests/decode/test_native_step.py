@@ -55,6 +55,9 @@ def test_it_runs_wherever_the_cpu_allows_and_only_for_float32_caches():
     assert Decoder.from_model(model, 8).native_step is not None
     assert Decoder.from_model(model, 8, kv_dtype=torch.int8).native_step is None
     assert Decoder.from_model(model.to(torch.bfloat16), 8).native_step is None
+    odd_heads = family_model("llama", head_dim=12)  # the C++ attention reads heads in steps of 8 floats
+    odd = Decoder.from_model(odd_heads, 8)
+    assert odd.native_step is None and odd(torch.arange(3), 0)[0].shape == (3, VOCAB)
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)

@@ -170,7 +170,8 @@ class Decoder:
         self.max_len = max_len
         self.cache = KVCache(len(self.layers), self.n_kv_heads, max_len, self.head_dim, self.dtype, kv_dtype,
                              kv_scales, self.device)
-        native = self.dtype == torch.float32 and self.device.type == "cpu" and not self.cache.quantized
+        native = (self.dtype == torch.float32 and self.device.type == "cpu" and not self.cache.quantized
+                  and self.head_dim % 8 == 0)  # the C++ attention reads heads in steps of 8 floats
         self.native_step = decode_step.load() if native else None  # None: the torch forward
         self.rope_tables = {}  # RoPE key → (cos, sin), each (max_len, head_dim)
         for key, (inv_freq, attention_scaling) in self.rope.items():
