@@ -6,7 +6,7 @@ per machine: the int4 matmuls (``toolkit.runtime.cpu_int4.NATIVE``) and the floa
 (or not x86 Linux), or a machine where the build fails (no C++ compiler, no ninja); the reason is logged once and the
 caller falls back to torch (the next int4 kernel, torch's own int4 op last; the decoder's torch forward). The build
 goes through ``torch.utils.cpp_extension`` into its cache (``TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``): about 20 s the first time, a hash check after.
+``~/.cache/torch_extensions``): 15-20 s each the first time on a 2-core CPU, a hash check after.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def load(build: NativeBuild) -> ModuleType | None:
         return None
     from torch.utils.cpp_extension import load as compile_and_load
 
-    log.info("loading compound's %s (built once per machine, about 20 s the first time)", build.source)
+    log.info("loading compound's %s (built once per machine, 15-20 s the first time)", build.source)
     try:
         return compile_and_load(name=build.module_name, sources=[str(build.path)],
                                 extra_cflags=["-O3", *build.compiler_flags, "-fopenmp"], verbose=False)
