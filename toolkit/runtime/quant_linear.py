@@ -11,7 +11,7 @@ AWQ ``qweight``/``qzeros``/``scales``, compressed-tensors ``weight_packed``/``we
 |---------------|-------------------------------------------------------------------|---------------------------------|
 | ``reference`` | dequantize to fp32, cast to x's dtype, ``F.linear``: the oracle   | anything, any bit width         |
 | ``cpu-int4``  | the CPU int4 kernel (``toolkit.runtime.cpu_int4``: compound's     | CPU; 4-bit, group a multiple of |
-|               | AVX512-BF16 one, else torch's op; bf16 x) for                     |                                 |
+|               | AVX512-BF16 or AVX2-FMA one, else torch's op) for                 |                                 |
 |               | x of ≤ ``CPU_INT4_MAX_ROWS`` rows, the reference above            | 32                              |
 | ``triton``    | the layout's W4A16 Triton kernel (``toolkit.kernels``)            | CUDA; CPU under TRITON_INTERPRET=1 (set by the caller before Triton is imported) |
 | ``auto``      | ``triton`` for CUDA x, ``cpu-int4`` for CPU x, chosen per call;   | anything                        |
@@ -30,7 +30,9 @@ is shared, so wall time was too noisy to use); ratio = int4 time / reference tim
 In bf16 the reference (one dequantize, then a fast bf16 GEMM) overtakes the int4 op between 512 and 768 rows (k_proj,
 576→192: at 512); in fp32 the reference's fp32 GEMM stays slower than the int4 op at every M measured, but the
 int4 op computes in bf16. The table is torch's op; compound's AVX512-BF16 kernel, where it runs, is 1.3-1.4x
-faster at 1-2 rows and within 9 % of it from 4 to 256 rows (8192×3072 g128), so the same limit holds. ``CPU_INT4_MAX_ROWS = 256`` sits below the bf16 crossover on every SmolLM2 shape and keeps
+faster at 1-2 rows and within 9 % of it from 4 to 256 rows (8192×3072 g128), so the same limit holds; its
+AVX2-FMA one decodes the codes once per row, 1.7-1.9x faster than torch's AVX2 op at one row and 1.2x slower at 16
+(BENCHMARKS.md "Kernels (torch's op as on a CPU without AVX-512)"). ``CPU_INT4_MAX_ROWS = 256`` sits below the bf16 crossover on every SmolLM2 shape and keeps
 long prefills and perplexity scoring of an fp32 model on the fp32-exact reference; decode (M = 1) and speculative
 verification (M ≤ a few dozen) run the int4 op.
 """
