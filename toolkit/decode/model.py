@@ -170,9 +170,9 @@ class Decoder:
         self.max_len = max_len
         self.cache = KVCache(len(self.layers), self.n_kv_heads, max_len, self.head_dim, self.dtype, kv_dtype,
                              kv_scales, self.device)
-        native = (self.dtype == torch.float32 and self.device.type == "cpu" and not self.cache.quantized
-                  and self.head_dim % 8 == 0)  # the C++ attention reads heads in steps of 8 floats
-        self.native_step = decode_step.load() if native else None  # None: the torch forward
+        step = decode_step.load() if self.dtype == torch.float32 and self.device.type == "cpu" else None
+        usable = step is not None and not self.cache.quantized and self.head_dim % step.HEAD_STEP == 0
+        self.native_step = step if usable else None  # None: the torch forward
         self.rope_tables = {}  # RoPE key → (cos, sin), each (max_len, head_dim)
         for key, (inv_freq, attention_scaling) in self.rope.items():
             freqs = torch.outer(torch.arange(max_len, device=self.device).float(), inv_freq.float())

@@ -18,6 +18,8 @@
 
 namespace {
 
+constexpr int64_t kHeadStep = 8;  // attention reads a head in steps of 8 floats (one ymm)
+
 // out = (x · r) · (offset + w), r = 1 / sqrt(mean(x²) + eps): Llama's w · x̂ (offset 0), Gemma's (1 + w) · x̂.
 void norm_row(const float* x, const float* w, float offset, float eps, int64_t D, float* out) {
   double squares = 0.0;
@@ -172,7 +174,7 @@ at::Tensor attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, int64
   const int64_t T = q.size(0), H = q.size(1), hd = q.size(2), KVH = k_cache.size(0), S = k_cache.size(1);
   const int64_t end = start + T;
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(2) == hd &&
-                  v_cache.sizes() == k_cache.sizes() && H % KVH == 0 && end <= S && hd % 8 == 0,
+                  v_cache.sizes() == k_cache.sizes() && H % KVH == 0 && end <= S && hd % kHeadStep == 0,
               "attention: caches float32 [KVH, S, hd] holding slots [0, start + T), H a multiple of KVH, hd of 8s");
   const bool masked = mask.has_value() && mask->defined();
   if (masked)
@@ -248,6 +250,7 @@ at::Tensor silu_mul(at::Tensor gate_up) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  module.attr("HEAD_STEP") = kHeadStep;  // head_dim must be a multiple of it (toolkit/decode/model.py reads it)
   module.def("rms_norm", &rms_norm, "RMSNorm of each row");
   module.def("add_rms_norm", &add_rms_norm, "residual add, then RMSNorm of each row");
   module.def("rope_and_cache", &rope_and_cache, "q/k norms and RoPE; k and v written to the cache");
