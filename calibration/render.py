@@ -5,15 +5,23 @@ Conversations are rendered with the tokenizer's chat template (so calibration se
 tokens again; plain texts are tokenized as they are and followed by EOS. Rendered records are
 concatenated into one stream and cut into ``[n, seq_len]`` blocks; blocks cross record boundaries,
 as in GPTQ's and AWQ's calibration loaders.
+
+A base model's tokenizer has no chat template. Its conversations are rendered as plain text
+(``render_chat``): the turns' contents joined by a blank line, no role tags, after the BOS token
+where the tokenizer adds one; the generation prompt is the blank line that starts the next turn, so
+a reply is generated in the context that training and evaluation render it in.
+Every reader of conversations (calibration, evaluation, head training, decode prompts) renders
+through ``render_chat``, so all of them see the same text.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import random
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from jinja2.exceptions import TemplateError
@@ -92,12 +100,52 @@ def train_records(source: str = SHAREGPT, text_field: str = "text") -> Iterator[
     return iter_split(load_records(source, text_field), "train")
 
 
+PLAIN_TURN_SEPARATOR = "\n\n"  # between two turns' contents when a base model's conversations are plain text
+
+
+class PlainTextConversations(UserWarning):
+    """Said once: the tokenizer has no chat template, so conversations are rendered as plain text."""
+
+
+def render_chat(tokenizer, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> str:
+    """``messages`` rendered as text: with the tokenizer's chat template, or as plain text (``PLAIN_TURN_SEPARATOR``
+    between the turns' contents and as the generation prompt, no role tags, after BOS where the tokenizer adds one)
+    for a tokenizer without one, which is said once in a warning. The text already holds its special tokens: tokenize it without adding them."""
+    template = None
+    if not getattr(tokenizer, "chat_template", None):
+        template = _plain_template(_adds_bos(tokenizer))
+        warnings.warn("the tokenizer has no chat template (a base model): conversations are rendered as plain text, "
+                      "the turns joined by a blank line without role tags", PlainTextConversations)  # one place: once
+    return tokenizer.apply_chat_template(list(messages), chat_template=template, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
+def conversation_ids(tokenizer, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of ``messages`` rendered by ``render_chat`` (with the generation prompt by default)."""
+    text = render_chat(tokenizer, messages, add_generation_prompt)
+    return tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+
+
 def chat_prompt_ids(tokenizer, text: str) -> list[int]:
-    """Token ids of ``text`` as one user turn with the generation prompt, or plain ids without a chat template."""
-    if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False))
-    return tokenizer(text)["input_ids"]
+    """Token ids of ``text`` as one user turn with the generation prompt (a base model: the text and a blank line)."""
+    return conversation_ids(tokenizer, [{"role": "user", "content": text}])
+
+
+def _adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer puts its BOS token before a text of its own accord (Gemma's does, Qwen's does not)."""
+    bos = tokenizer.bos_token_id
+    return bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
+
+
+@functools.cache
+def _plain_template(with_bos: bool) -> str:
+    """The Jinja template of the plain-text rendering: one rule, written once, for every reader of conversations."""
+    separator = PLAIN_TURN_SEPARATOR.replace("\n", "\\n")
+    bos = "{{ bos_token }}" if with_bos else ""
+    between = "{{ '" + separator + "' }}"
+    return (bos + "{% for message in messages %}{% if not loop.first %}" + between + "{% endif %}"
+            + "{{ message['content'] }}{% endfor %}{% if add_generation_prompt and messages %}" + between
+            + "{% endif %}")
 
 
 def fingerprint(tokens: torch.Tensor) -> str:
@@ -124,13 +172,8 @@ class Renderer:
         if record.is_conversation:
             if not any(m["content"].strip() for m in record.messages):
                 return []
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise CalibrationError(
-                    "the tokenizer has no chat template, so conversations cannot be rendered; "
-                    "use an instruct model's tokenizer or a plain-text source"
-                )
             try:
-                text = self.tokenizer.apply_chat_template(list(record.messages), tokenize=False)
+                text = render_chat(self.tokenizer, record.messages)
             except (TemplateError, ValueError) as e:  # e.g. a template that enforces user/assistant alternation
                 self.failed += 1
                 self.first_failure = self.first_failure or f"record {record.id}: {e}"

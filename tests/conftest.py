@@ -53,6 +53,18 @@ def smol_tokenizer():
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
+@pytest.fixture(scope="session")
+def gemma_tokenizer():
+    """Gemma-3 270M's tokenizer (a base model's: no chat template, BOS first), read from the embedded GGUF (assembled
+    from its chunk packages on first use); ~10 s, once."""
+    from transformers import AutoTokenizer
+
+    gguf = embedded_gguf("gemma3-270m")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    assert tokenizer.chat_template is None
+    return tokenizer
+
+
 # What each family's tiny config sets beyond the common shapes, so that what sets it apart from Llama is exercised:
 # windows shorter than the test sequences, Gemma 2's score scale and caps at the size of a random model's scores and
 # logits, Gemma 3's two layer types with RoPE schemes of their own.

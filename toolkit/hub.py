@@ -43,14 +43,13 @@ import yaml
 
 from toolkit.evaluate.report import SCHEMA, generation_lines, slice_lines
 from toolkit.formats.checkpoint import MANIFEST
+from toolkit.models import EMBEDDED
 
 CARD = "README.md"
 PLOT = "acceptance.png"
 # Files an engine may load as weights: one left from an earlier push could shadow the new ones (vLLM follows a
 # stale model.safetensors.index.json), so push deletes those the new artifact lacks.
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".gguf")
-# Hub ids of the model aliases in toolkit.models.EMBEDDED (the GGUF's source model).
-ALIAS_BASE_MODELS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 RESULT_KEYS = ("divergence", "eval", "acceptance", "heads_eval", "gates", "command")
 # Files of an artifact in which compound writes names (the model, dataset, target, conversion source; a
 # FasterDecoding-layout Medusa config names its target): push uploads them with local paths cut. The other files come
@@ -449,8 +448,8 @@ def _base_model(spec: str, follow: bool = True) -> str | None:
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
-    if spec in ALIAS_BASE_MODELS:
-        return ALIAS_BASE_MODELS[spec]
+    if spec in EMBEDDED:
+        return EMBEDDED[spec].source
     path = Path(spec).expanduser()
     if follow and (path / MANIFEST).is_file():
         inner = json.loads((path / MANIFEST).read_text()).get("model")

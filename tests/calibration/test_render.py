@@ -5,11 +5,15 @@ import torch
 
 from toolkit.calibration import (
     CalibrationError,
+    PlainTextConversations,
     calibration_batch,
+    chat_prompt_ids,
+    conversation_ids,
     eval_windows,
     fingerprint,
     iter_split,
     load_records,
+    render_chat,
     split_of,
     train_records,
 )
@@ -109,10 +113,38 @@ def test_unrenderable_and_empty_conversations_are_skipped(smol_tokenizer, tmp_pa
     assert "starts wrong" not in smol_tokenizer.decode(tokens[0])
 
 
-def test_tokenizer_without_chat_template(smol_tokenizer, monkeypatch):
+CONVERSATION = [{"role": "user", "content": "Name a river."}, {"role": "assistant", "content": "The Nile."},
+                {"role": "user", "content": "Another?"}]
+
+
+def test_a_base_model_renders_conversations_as_plain_text(smol_tokenizer, monkeypatch):
+    """Without a chat template the turns are joined by a blank line, no role tags (SmolLM2's tokenizer adds no BOS), the
+    generation prompt is the blank line before the reply, and a warning says so."""
     monkeypatch.setattr(smol_tokenizer, "chat_template", None)
-    with pytest.raises(CalibrationError, match="no chat template"):
-        calibration_batch(smol_tokenizer, samples=1, seq_len=8)
+    with pytest.warns(PlainTextConversations, match="no chat template"):
+        text = render_chat(smol_tokenizer, CONVERSATION)
+    assert text == "Name a river.\n\nThe Nile.\n\nAnother?"
+    assert render_chat(smol_tokenizer, CONVERSATION, add_generation_prompt=True) == text + "\n\n"
+    assert conversation_ids(smol_tokenizer, CONVERSATION) == smol_tokenizer(text + "\n\n")["input_ids"]
+    assert chat_prompt_ids(smol_tokenizer, "Hi") == smol_tokenizer("Hi\n\n")["input_ids"]
+
+
+def test_a_base_model_calibrates_on_conversations(smol_tokenizer, monkeypatch):
+    """calibration_batch reads ShareGPT's conversations for a base model too: the same records, without the template's
+    role tags."""
+    templated = calibration_batch(smol_tokenizer, samples=2, seq_len=64)
+    monkeypatch.setattr(smol_tokenizer, "chat_template", None)
+    with pytest.warns(PlainTextConversations):
+        plain = calibration_batch(smol_tokenizer, samples=2, seq_len=64)
+    assert plain.shape == (2, 64) and not torch.equal(plain, templated)
+    assert "<|im_start|>" in smol_tokenizer.decode(templated[0]) and "<|im_start|>" not in smol_tokenizer.decode(plain[0])
+
+
+def test_the_plain_rendering_starts_with_bos_where_the_tokenizer_adds_it(gemma_tokenizer):
+    """Gemma's tokenizer puts BOS first of its own accord (its model is unusable without it): so does the plain text."""
+    ids = conversation_ids(gemma_tokenizer, CONVERSATION, add_generation_prompt=False)
+    assert ids == gemma_tokenizer("Name a river.\n\nThe Nile.\n\nAnother?")["input_ids"]
+    assert ids[0] == gemma_tokenizer.bos_token_id and ids.count(gemma_tokenizer.bos_token_id) == 1
 
 
 def test_invalid_sizes(smol_tokenizer):

@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_model
 from rich.console import Console
 
-from toolkit.calibration.render import train_records
+from toolkit.calibration.render import PlainTextConversations, train_records
 from toolkit.calibration.sources import Record
 from toolkit.heads.data import (
     ChatTemplateError,
@@ -262,3 +262,15 @@ def test_self_distill_sampling_is_seeded(model, smol_tokenizer, tmp_path):
 
     assert sample("a.jsonl", 0) == sample("b.jsonl", 0)
     assert sample("a.jsonl", 0) != sample("c.jsonl", 1)
+
+
+def test_a_base_model_trains_on_the_assistant_contents_of_plain_text(gemma_tokenizer):
+    """Gemma-3 (a base model, no chat template): the conversation is plain text and the mask covers each assistant
+    content, not the blank line that starts its turn nor any user text."""
+    messages = [{"role": "user", "content": "Name a river."}, {"role": "assistant", "content": "The Nile flows north."},
+                {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "The Amazon."}]
+    with pytest.warns(PlainTextConversations):
+        example = render_example(gemma_tokenizer, messages, max_len=64)
+    ids = example.input_ids.tolist()
+    assert ids == gemma_tokenizer("Name a river.\n\nThe Nile flows north.\n\nAnother?\n\nThe Amazon.")["input_ids"]
+    assert masked_runs(gemma_tokenizer, example) == ["The Nile flows north.", "The Amazon."]

@@ -26,7 +26,7 @@ from local_hub import USER, LocalHub
 
 from toolkit.formats.checkpoint import MANIFEST, sha256_file, write_directory
 from toolkit.formats.gptq import quantization_config
-from toolkit.hub import ALIAS_BASE_MODELS, HubError, _acceptance_png, card_results, model_card, push
+from toolkit.hub import HubError, _acceptance_png, card_results, model_card, push
 from toolkit.models import EMBEDDED
 from toolkit.quant.configs import RTNConfig
 
@@ -331,7 +331,7 @@ def test_eagle3_card_serves_with_vllm_and_sglang(tmp_path):
     card = model_card(out, repo_id=f"{USER}/tiny-eagle3")
     meta = yaml.safe_load(card.split("---")[1])
     assert meta["tags"] == ["compound", "eagle3", "speculative-decoding"]
-    assert meta["base_model"] == ALIAS_BASE_MODELS["smollm2-135m"]
+    assert meta["base_model"] == EMBEDDED["smollm2-135m"].source
     spec = json.dumps({"method": "eagle3", "model": f"{USER}/tiny-eagle3", "num_speculative_tokens": 4})
     assert f"vllm serve {meta['base_model']} --speculative-config '{spec}'" in card
     assert "--speculative-algorithm EAGLE3" in card and "--speculative-num-draft-tokens 5" in card
@@ -385,12 +385,11 @@ def test_model_card_of_a_local_model_names_no_base_and_no_path(artifact, tmp_pat
     assert "base_model" not in front_matter(card) and "`my-model` (local files)" in card and str(tmp_path) not in card
 
 
-def test_plot_and_aliases():
+def test_plot():
     assert _acceptance_png([]) is None
     width, height, pixels = decode_png(_acceptance_png(ACCEPTANCE))
     row = pixels[(height - 11) * (1 + 3 * width) + 1:][:3 * width]  # just above the x axis: every bar is drawn
     assert (31, 119, 180) in [tuple(row[i:i + 3]) for i in range(0, len(row), 3)]
-    assert set(ALIAS_BASE_MODELS) == set(EMBEDDED)
 
 
 def test_heads_for_a_quantized_target_link_its_base_and_leave_the_target_to_fill(artifact, tmp_path):

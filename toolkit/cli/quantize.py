@@ -32,7 +32,7 @@ CacheName = flags.choice(CACHE_DTYPES)
 @flags.derived(QuantizeSettings, CalibrationSpec, ThreadSettings, methods=METHODS.values())
 def quantize(
     ctx: typer.Context,
-    model: str = typer.Option("smollm2-135m", help="Model: alias (smollm2-135m), local directory, .gguf file or Hub id."),
+    model: str = typer.Option("smollm2-135m", help="Model: alias (smollm2-135m, gemma3-270m), local directory, .gguf file or Hub id."),
     output: Path = typer.Option(..., "--output", "-o", help="Checkpoint directory to create."),
     method: MethodName = typer.Option(DEFAULT_METHOD, help="Quantization method (awq+gptq: AWQ's scaling, then GPTQ's rounding)."),
     evaluate: bool = typer.Option(False, "--eval", help="Also report held-out perplexity of the result and of the float model."),

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from toolkit.calibration import conversation_ids
 from toolkit.calibration.sources import load_records
 from toolkit.calibration.splits import iter_split
 from toolkit.decode import Decoder, Drafter, MedusaDrafter, greedy_outputs, speculative_generate
@@ -61,8 +62,7 @@ def heldout_prompts(tokenizer, n: int, max_prompt_tokens: int = 256, skip: int =
         turns = [m for m in record.messages if m["role"] == "user"][:1]
         if not turns or not turns[0]["content"].strip():
             continue
-        text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template wrote the special tokens
+        ids = conversation_ids(tokenizer, turns)
         if len(ids) > max_prompt_tokens:
             continue
         seen += 1

@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+import torch
 from torch import nn
 
+from toolkit.calibration import chat_prompt_ids
 from toolkit.decode.batched import greedy_batch
 
 SETS = ("json", "code", "factual")
@@ -79,8 +81,7 @@ def run_checks(models: dict[str, nn.Module], tokenizer, max_new_tokens: int = 96
     results = []
     for name in sets:
         prompts = prompt_set(name, directory)
-        ids = [tokenizer.apply_chat_template([{"role": "user", "content": p.prompt}], add_generation_prompt=True,
-                                             return_tensors="pt", return_dict=True)["input_ids"][0] for p in prompts]
+        ids = [torch.tensor(chat_prompt_ids(tokenizer, p.prompt), dtype=torch.long) for p in prompts]
         outputs: dict[str, dict[str, str]] = {}
         for label, model in models.items():
             advance = progress(f"generation checks: {name}, {label}", len(ids)) if progress else None

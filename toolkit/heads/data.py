@@ -1,7 +1,7 @@
 """Training examples for draft heads: chat rendering with a loss mask over assistant tokens, and self-distillation.
 
 A conversation is rendered with the tokenizer's own chat template, so the heads see the framing the target sees
-when served. Which tokens are trainable is found generically, without per-template rules: the prefixes
+when served (a base model's, without one, as plain text: ``toolkit.calibration.render_chat``). Which tokens are trainable is found generically, without per-template rules: the prefixes
 ``messages[:1]``, ``messages[:2]``, ... are rendered in turn and each assistant message's added text is located.
 The loss mask covers an assistant message's content and its end-of-turn marker (``<|im_end|>`` for SmolLM2),
 so the heads learn to stop; the role header before the content (``<|im_start|>assistant\\n``) and the whitespace
@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
+from toolkit.calibration import render_chat
 from toolkit.calibration.sources import Record
 
 # Stands in for an assistant message's content to find where the template's role header ends.
@@ -108,9 +109,7 @@ def _assistant_header(tokenizer, history: list[dict[str, str]], history_text: st
 
 
 def _render(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-    if not getattr(tokenizer, "chat_template", None):
-        raise ChatTemplateError("the tokenizer has no chat template; use an instruct model's tokenizer")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return render_chat(tokenizer, messages, add_generation_prompt)
 
 
 def build_examples(tokenizer, records: Iterable[Record], n: int, max_len: int) -> list[Example]:

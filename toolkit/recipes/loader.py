@@ -44,7 +44,7 @@ def load_recipe(path: Path | str) -> Recipe:
     _index_lines(root, "", lines, fail)
     _refuse_unknown(data, TOP_LEVEL, "", fail)
     if not isinstance(data.get("model"), str):
-        raise fail("model", "is required: an alias (smollm2-135m), a local directory, a .gguf file or a Hub id")
+        raise fail("model", "is required: an alias (smollm2-135m, gemma3-270m), a local directory, a .gguf file or a Hub id")
     sections = {name: _section(cls, data[name], name, fail) for name, cls in SECTIONS.items() if name in data}
     output = data.get("output", f"out/{path.stem}")
     if not isinstance(output, str):
