@@ -100,7 +100,8 @@ def test_heads_get_an_accepted_length_per_slice(tmp_path, tiny_llama_dir):
                            "--head-prompts", "1", "--head-tokens", "4")
     assert "all" in report["acceptance"] and set(report["acceptance"]) <= {"all", *SLICES}
     for row in report["acceptance"].values():
-        assert row["prompts"] == 1 and row["lossless"] is True and 1.0 <= row["tree_accepted_length"] <= 3.0
+        # untrained heads guess none of the target's tokens (vocabulary 49,152): each step keeps the target's own
+        assert row["prompts"] == 1 and row["lossless"] is True and row["tree_accepted_length"] == 1.0
     assert "Speculative decoding with" in (out / "eval.md").read_text()
 
 
