@@ -137,6 +137,7 @@ def test_resume_is_bit_identical(tmp_path):
     assert logged == [2, 4, 6, 8, 10, 12]
 
 
+@pytest.mark.slow  # several processes or minutes of retries: the second tier
 def test_two_processes_match_one(tmp_path):
     """2 gloo ranks × 1 micro-batch of 4 against 1 process × 2 micro-batches of 4: the same global batches and
     mean, summed in another order, so parameters agree to float rounding (allclose), not bit for bit."""

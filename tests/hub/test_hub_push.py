@@ -200,6 +200,7 @@ def decode_png(data: bytes) -> tuple[int, int, bytes]:
     return width, height, zlib.decompress(chunks[b"IDAT"])
 
 
+@pytest.mark.slow  # several processes or minutes of retries: the second tier
 def test_storage_500_mid_upload_commits_nothing_and_a_rerun_succeeds(hub, artifact, tmp_path):
     hub.inject("PUT", "/part/2", times=6)  # every attempt at part 2 of the big shard: 1 try + 5 retries
     report, _ = run_client(hub, tmp_path, "push", str(artifact), REPO)
