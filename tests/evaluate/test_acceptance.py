@@ -69,8 +69,8 @@ def test_random_heads_are_lossless_in_both_modes(target, prompts):
 def test_break_even_is_the_step_cost_in_greedy_tokens():
     """A 2 ms draft and an 8 ms verification against greedy's 50 tokens/s (20 ms a token): a step costs half a
     greedy token, so it pays for itself from an accepted length of 0.5; at 100 tokens/s, 1.0; no greedy rate, 0."""
-    report = acceptance.AcceptanceReport(mode="chain", shape="chain", nodes=3, mean_accepted_length=1.0, acceptance_rate=[],
-                                         lossless=True, tokens=10, speculative_tokens_per_s=40.0,
+    report = acceptance.AcceptanceReport(mode="chain", shape="chain", nodes=3, mean_accepted_length=1.0,
+                                         acceptance_rate=[], lossless=True, tokens=10, speculative_tokens_per_s=40.0,
                                          greedy_tokens_per_s=50.0, draft_ms_per_step=2.0, verify_ms_per_step=8.0)
     assert report.break_even_accepted_length == pytest.approx(0.5)
     assert report.speedup == pytest.approx(0.8)
