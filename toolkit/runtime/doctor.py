@@ -70,11 +70,11 @@ def report() -> tuple[list[str], bool]:
 
 def main() -> int:
     """Print the report; 0 when every build the CPU allows built, else 1."""
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
     lines, healthy = report()
     print("\n".join(lines))
     return 0 if healthy else 1
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")  # a failed build's warning, as one plain line
     sys.exit(main())
