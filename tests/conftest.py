@@ -31,6 +31,16 @@ import torch  # noqa: E402
 from toolkit.models import embedded_gguf  # noqa: E402
 
 SMOL_VOCAB = 49152
+# pytest-timeout for a test marked slow that sets none of its own: the slowest took 16 minutes (the demo recipe, an
+# AVX2-only CPU, README "Tests"), and a session fixture shared by several (11 minutes) counts in the first.
+SLOW_TIMEOUT_S = 3600
+
+
+def pytest_collection_modifyitems(items):
+    """Give each slow test without a timeout of its own ``SLOW_TIMEOUT_S`` instead of pyproject's default."""
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
 pytest_plugins = ["integration.smollm2_checkpoints"]  # real-model checkpoints the integration tests share
 
 

@@ -3,6 +3,7 @@
 hide the PyPI package `kernels` that transformers 5.25 imports when it is installed (the root's `kernels/` is
 installed as `toolkit.kernels`; tests/conftest.py and validate's child process keep the root off sys.path)."""
 
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,3 +29,11 @@ def test_tests_import_this_checkouts_toolkit_and_the_installed_kernels():
     assert Path(toolkit.__file__).resolve().parent == ROOT / "toolkit"
     spec = importlib.util.find_spec("kernels")
     assert spec is None or Path(spec.origin or "").resolve().parent != ROOT / "kernels"
+
+
+def test_every_torch_load_is_weights_only():
+    sources = [p for folder in ("toolkit", "calibration", "kernels", "benchmarks", "scripts", "tests")
+               for p in (ROOT / folder).rglob("*.py")
+               if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)]  # venvs and caches
+    calls = [(p, m.group()) for p in sources for m in re.finditer(r"torch\.load\([^)]*\)", p.read_text())]
+    assert calls and [(p, c) for p, c in calls if "weights_only=True" not in c] == []

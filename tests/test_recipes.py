@@ -18,6 +18,7 @@ import toolkit.hub
 import toolkit.quantize
 import toolkit.train_heads
 import toolkit.validate
+from conftest import refused
 from toolkit.cli import app
 from toolkit.hub import PushResult
 from toolkit.recipes import GateError, RecipeError, load_recipe, run_recipe
@@ -258,3 +259,24 @@ def test_dry_run_does_nothing(copied, tmp_path, tiny_llama_dir, monkeypatch):
 
 
 # ---- the demo recipe on SmolLM2 ----------------------------------------------------------------------------------
+
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture
+def runs(runs):
+    """conftest's ``runs``, checked to be empty again when the case ends."""
+    yield runs
+    assert list(runs.iterdir()) == []
+
+
+def test_recipe_that_is_not_utf8(tmp_path, runs):
+    recipe = tmp_path / "latin1.yaml"
+    recipe.write_bytes(f"model: smollm2-135m\noutput: {runs / 'out'}\n# caf\xe9\n".encode("latin-1"))
+    offset = recipe.read_bytes().index(b"\xe9")
+    refused(run("run", recipe), f"latin1.yaml: not UTF-8 text (byte {offset})")

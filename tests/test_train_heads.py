@@ -84,6 +84,7 @@ def test_cli_dry_run_shows_the_trained_tokens(tiny_llama_dir, tmp_path):
     assert not (tmp_path / "h").exists()
 
 
+@pytest.mark.slow  # several processes or minutes of retries: the second tier
 def test_same_command_under_torchrun(tiny_llama_dir, tmp_path):
     """Two gloo ranks: rank 0 prepares the data while rank 1 waits, each caches half of the hidden states (the cache
     is the one-process cache), both train, rank 0 exports."""

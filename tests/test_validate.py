@@ -5,9 +5,12 @@ import json
 import shutil
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
+from conftest import refused
 from toolkit.cli import app
+from toolkit.formats.checkpoint import MANIFEST, sha256_file
 from toolkit.quant.configs import RTNConfig
 from toolkit.quantize import quantize
 from toolkit.validate import ChecksumError, serving_preview, validate
@@ -97,3 +100,36 @@ def test_serving_preview_follows_the_vllm_rules(tmp_path):
     assert narrow.vllm_cpu == "none" and "576→200" in narrow.vllm_cpu_why
     odd = _preview(tmp_path, gptq_g32 | {"group_size": 64}, shapes=[(96, 64)])
     assert odd.problems and "96-wide input" in odd.problems[0]
+
+
+TINY = ["--group-size", "32"]
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_validate_says_non_finite_for_a_nan_scale(tmp_path, tiny_llama_dir):
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "q"
+    assert run("quantize", "--model", tiny_llama_dir, "--method", "rtn", *TINY, "-o", out).exit_code == 0
+    weights = out / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.layers.0.self_attn.q_proj.scales"][0, 0] = float("nan")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    manifest = json.loads((out / MANIFEST).read_text())  # re-hashed: the bytes are as written, the values are not
+    manifest["files"]["model.safetensors"] = sha256_file(weights)
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    result = run("validate", "--model", out)
+    refused(result, "non-finite", "model.layers.0.self_attn.q_proj.scales")
+
+
+def test_validate_marks_a_path_with_non_finite_logits():
+    from toolkit.validate import CPU_INT4_TOLERANCE, _compare
+
+    reference = torch.randn(1, 4, 8)
+    got = reference.clone()
+    got[0, 1, 2] = float("nan")
+    result = _compare("cpu-int4", got, reference, "all", CPU_INT4_TOLERANCE)
+    assert not result.ok and "non-finite" in result.note

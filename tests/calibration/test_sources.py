@@ -2,9 +2,11 @@ import json
 import warnings
 
 import pytest
+from typer.testing import CliRunner
 
-from toolkit.calibration import CalibrationError, load_records
-from toolkit.calibration import sources
+from conftest import refused
+from toolkit.calibration import CalibrationError, load_records, sources
+from toolkit.cli import app
 
 RECORDS = [
     {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
@@ -169,3 +171,54 @@ def test_hub_id_parsing(monkeypatch):
     assert [r.text for r in load_records("teknium/OpenHermes-2.5")] == ["t"]
     list(load_records("org/name:cfg"))
     assert calls == [("teknium/OpenHermes-2.5", None, "train"), ("org/name", "cfg", "train")]
+
+
+runner = CliRunner()
+
+
+GPTQ = ["--method", "gptq", "--group-size", "32", "--samples", "2", "--seq-len", "16"]
+
+
+EVAL = ["--windows", "1", "--seq-len", "16", "--no-generation"]
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture
+def runs(runs):
+    """conftest's ``runs``, checked to be empty again when the case ends."""
+    yield runs
+    assert list(runs.iterdir()) == []
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_missing_text_column_names_the_flag_and_the_columns(tmp_path, runs, tiny_llama_dir, suffix):
+    rows = [{"body": f"document {i} " * 20, "meta": i} for i in range(64)]
+    source = tmp_path / f"data{suffix}"
+    if suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), source)
+    else:
+        source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    text = refused(run("quantize", "--model", tiny_llama_dir, *GPTQ, "--dataset", source, "-o", runs / "q"),
+                   "has no 'text' field", "['body', 'meta']", "--text-field")
+    assert "text_field=" not in text
+
+
+def test_tiny_calibration_text_asks_for_a_larger_dataset(tmp_path, runs, tiny_llama_dir):
+    source = tmp_path / "tiny.txt"
+    source.write_text("abc")
+    text = refused(run("quantize", "--model", tiny_llama_dir, *GPTQ, "--dataset", source, "-o", runs / "q"),
+                   "pass a larger --dataset")
+    assert "lower --samples" not in text
+
+
+def test_tiny_eval_text_asks_for_a_larger_dataset(tmp_path, runs, tiny_llama_dir):
+    source = tmp_path / "tiny.txt"
+    source.write_text("abc")
+    refused(run("eval", "--model", tiny_llama_dir, *EVAL, "--dataset", source, "-o", runs / "report"),
+            "--dataset")

@@ -4,11 +4,12 @@ import time
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
-from conftest import tiny_model
+from conftest import refused, tiny_model
+from toolkit.cli import app
 from toolkit.decode import Decoder, SamplingConfig, generate
 from toolkit.decode.sampling import probs
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,3 +59,26 @@ def test_smollm2_greedy_equals_transformers_generate(smol_tokenizer):
     print(f"SmolLM2-135M greedy, {n} tokens, {torch.get_num_threads()} thread(s): toolkit.decode "
           f"{stats.tokens_per_s:.1f} tok/s, transformers generate {n / hf_s:.1f} tok/s")
     assert torch.equal(ids, expected)
+
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture
+def runs(runs):
+    """conftest's ``runs``, checked to be empty again when the case ends."""
+    yield runs
+    assert list(runs.iterdir()) == []
+
+
+@pytest.mark.parametrize("prompt,new_tokens,needle", [
+    ("word " * 300, 4, "shorten the prompt"),
+    ("Hi", 1000, "lower --max-new-tokens to"),
+])
+def test_decode_beyond_the_context(runs, tiny_llama_dir, prompt, new_tokens, needle):
+    refused(run("decode", "--model", tiny_llama_dir, "--prompt", prompt, "--max-new-tokens", new_tokens),
+            "max_position_embeddings = 256", needle)

@@ -1,6 +1,9 @@
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from conftest import refused as conftest_refused
+from toolkit.cli import app
 from toolkit.decode.kv_cache import KVCache, dequantize_int8, quantize_int8
 
 
@@ -36,3 +39,38 @@ def test_keep_moves_the_accepted_slots_next_to_the_prefix(kv_dtype):
     k, v = cache.read(0, 7)
     assert k[0, 0, :, 0].tolist() == pytest.approx([1, 2, 3, 4, 6, 7, 10], rel=1e-2)
     assert v[0, 0, :, 0].tolist() == pytest.approx([-1, -2, -3, -4, -6, -7, -10], rel=1e-2)
+
+
+WIDTH = 80
+
+
+def run(*args, **env):
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": str(WIDTH), **env})
+
+
+def test_decode_runs_with_a_checkpoints_int8_scales(tmp_path, tiny_llama_dir):
+    import torch
+
+    from toolkit.quant.configs import RTNConfig
+    from toolkit.quant.kv_cache import decode_scales, int8_decode_scales
+    from toolkit.quantize import CalibrationSpec, QuantizeSettings, quantize
+    from toolkit.runtime.load import load_quantized, read_manifest
+
+    calibration = CalibrationSpec(samples=2, seq_len=32)
+    scaled = quantize(str(tiny_llama_dir), RTNConfig(group_size=32), tmp_path / "int8", calibration,
+                      QuantizeSettings(kv_cache="int8")).output
+    plain = quantize(str(tiny_llama_dir), RTNConfig(group_size=32), tmp_path / "plain").output
+    for checkpoint, cache, scaling in ((scaled, "int8-static", "calibrated scales"), (scaled, "int8", "per-token scales"),
+                                       (plain, "int8", "per-token scales")):
+        result = run("decode", "--model", checkpoint, "--prompt", "Hi", "--max-new-tokens", "2", "--kv-cache", cache)
+        assert result.exit_code == 0, result.output
+        assert f"KV cache {cache}, {scaling}" in " ".join(result.output.split())
+    conftest_refused(run("decode", "--model", plain, "--prompt", "Hi", "--kv-cache", "int8-static"), "--kv-cache int8-static",
+                     "has none")
+    model, _ = load_quantized(scaled)
+    manifest = read_manifest(scaled)
+    torch.testing.assert_close(int8_decode_scales(model, manifest), decode_scales(model))
+    fp8 = {**manifest, "kv_cache": {**manifest["kv_cache"], "dtype": "fp8"}}
+    assert int8_decode_scales(model, fp8) is None  # amax / 448 would saturate an INT8 cache
+    help_text = " ".join(run("quantize", "--help", COLUMNS="200").output.split())
+    assert "compound decode --kv-cache int8-static" in help_text

@@ -157,3 +157,34 @@ def test_shapes_it_cannot_take_are_refused():
 def test_the_source_is_installed_with_the_package():
     assert decode_step.BUILD.path.is_file() and decode_step.BUILD.path.parent == Path(native.__file__).parent
     assert isinstance(decode_step.load(), type(nn))  # a module
+
+
+def test_a_long_prompt_prefills_through_the_torch_forward_and_decoding_stays_lossless(monkeypatch):
+    """A prompt of ``torch_prefill_rows`` tokens or more at slot 0 runs the torch forward (the C++ attention's cost
+    grows with the square of a block's rows); every later forward, however many rows (a chain, a verification
+    tree), runs the C++ step, whose rows are the same bits alone or in a block. Greedy and speculative decoding both
+    prefill the prompt by that one call, so they still give the same tokens."""
+    from toolkit.decode import ModelDrafter, generate, speculative_generate
+
+    monkeypatch.setattr(Decoder, "torch_prefill_rows", 8)
+    model = int4_linears(family_model("qwen3"))
+    ids = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(5))
+    decoder, reference = both(model, 48)
+    ran = []
+    for name in ("_torch_layers", "_native_layers"):
+        monkeypatch.setattr(decoder, name, lambda *args, _run=getattr(decoder, name), _name=name:
+                            ran.append(_name) or _run(*args))
+    decoder(ids[:7], 0)
+    assert torch.equal(decoder(ids[:8], 0)[1], reference(ids[:8], 0)[1])  # the torch forward itself
+    decoder(ids[8:18], 8)
+    decoder(ids[18:], 18, torch.tensor([0, 1]), torch.ones(2, 2, dtype=torch.bool).tril())
+    assert ran == ["_native_layers", "_torch_layers", "_native_layers", "_native_layers"]
+
+    ran.clear()
+    prompt = ids[:12]
+    plain, _ = generate(decoder, prompt, 16)
+    drafter = ModelDrafter(Decoder.from_model(family_model("llama"), 48), k=9)  # verification blocks of 10 rows
+    speculative, stats = speculative_generate(decoder, drafter, prompt, 16)
+    assert torch.equal(speculative, plain)
+    assert ran.count("_torch_layers") == 2 and ran[0] == "_torch_layers"  # each run's prefill, nothing else
+    assert ran[16] == "_torch_layers" and sum(stats.accepted) < 9 * len(stats.accepted)  # some drafts rejected

@@ -42,6 +42,7 @@ def _token_chunks() -> list[torch.Tensor]:
     return [torch.randn(n, 24, generator=g) @ torch.randn(24, 24, generator=g) for n in (50, 7, 130)]
 
 
+@pytest.mark.slow  # several processes or minutes of retries: the second tier
 def test_hessians_and_absmax_reduce_to_the_whole_batchs(tmp_path):
     run = _torchrun([__file__, str(tmp_path)], ranks=3)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
@@ -54,6 +55,7 @@ def test_hessians_and_absmax_reduce_to_the_whole_batchs(tmp_path):
         assert torch.equal(amax, torch.stack([c.abs().amax(0) for c in _token_chunks()]).amax(0))
 
 
+@pytest.mark.slow  # several processes or minutes of retries: the second tier
 @pytest.mark.parametrize("stream", [False, True])
 def test_two_ranks_write_the_one_process_checkpoint(tiny_llama_dir, tmp_path, stream):
     mode = ["--stream"] if stream else []

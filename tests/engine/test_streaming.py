@@ -120,6 +120,7 @@ def _write_random_llama(path, tokenizer):
     tokenizer.save_pretrained(path)
 
 
+@pytest.mark.slow  # several processes or minutes of retries: the second tier
 def test_streamed_peak_memory_stays_far_below_the_model(tmp_path, smol_tokenizer):
     model = tmp_path / "random-llama"
     model.mkdir()

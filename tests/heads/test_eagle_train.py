@@ -97,6 +97,7 @@ def test_resume_is_bit_identical(tmp_path):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.slow  # several processes or minutes of retries: the second tier
 def test_two_processes_match_one(tmp_path):
     """2 gloo ranks × 1 micro-batch of 2 against 1 process × 2 micro-batches: equal to float rounding."""
     target, data, loss_fn, count_fn = setup()

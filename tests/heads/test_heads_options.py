@@ -5,7 +5,10 @@ names the flag."""
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from conftest import tiny_config
+from toolkit.cli import app
 from toolkit.heads.eagle_draft import TreeShape
 from toolkit.heads.options import DataOptions, EagleOptions, MedusaOptions, SelectOptions
 from toolkit.heads.train import TrainConfig
@@ -57,3 +60,76 @@ def test_job_reads_its_parts():
                     select=SelectOptions(select_mode="chain")).tree == TreeShape(3)
     medusa = HeadsJob(model="m", output=Path("o"), medusa=MedusaOptions(num_heads=2, shared_lm_head=True))
     assert medusa.train_dir.name == "train-medusa-k2-l1-shared" and medusa.hidden_layers(8) == [-1]
+
+
+# The cheap settings of tests/test_train_heads.py, as flags; a flag given again after them wins.
+CHEAP = ["--num-heads", "2", "--samples", "4", "--max-len", "96", "--distill-tokens", "6", "--dtype", "float32",
+         "--steps", "2", "--batch-size", "2", "--micro-batch-size", "1", "--eval-every", "2", "--save-every", "2",
+         "--eval-prompts", "1", "--eval-tokens", "4"]
+
+
+def run_train_heads(model, output, *args):
+    return CliRunner().invoke(app, ["train-heads", "--model", str(model), "-o", str(output), *CHEAP,
+                                    *map(str, args)])
+
+
+def text_of(result) -> str:
+    return " ".join(result.output.split())
+
+
+def assert_refused(result, parent, *needles):
+    """Exit 2, a message holding every needle, no traceback, and nothing new in ``parent``."""
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
+    assert all(needle in text_of(result) for needle in needles), result.output
+    assert list(parent.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def config_dirs(tmp_path_factory):
+    """Targets known by their config alone (the refusals read nothing else): a Gemma and a one-layer Llama."""
+    dirs = {}
+    for name, config in {"gemma": tiny_config("gemma"), "one-layer": tiny_config("llama", layers=1)}.items():
+        dirs[name] = tmp_path_factory.mktemp(name)
+        config.save_pretrained(dirs[name])
+    return dirs
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "run"])
+@pytest.mark.parametrize("args, needles", [
+    (["--head", "eagle3", "--aux-layers", "99"], ["--aux-layers 99 is out of range", "2 decoder layers", "1..1"]),
+    (["--head", "eagle3", "--aux-layers", "1,1"], ["--aux-layers must be increasing", "got 1,1"]),
+    (["--head", "eagle3", "--aux-layers", "0"], ["--aux-layers must be increasing target layer indices >= 1"]),
+    (["--head", "eagle3", "--aux-layers", "x"], ["--aux-layers", "comma-separated integers"]),
+    (["--head", "eagle3", "--draft-vocab", "60000"], ["--draft-vocab 60000 is larger than the target's vocabulary",
+                                                      "1..49152"]),
+    (["--head", "eagle3", "--draft-vocab", "0"], ["--draft-vocab", "must be >= 1"]),
+    (["--num-heads", "0"], ["--num-heads", "num_heads >= 1"]),
+    (["--num-layers", "0"], ["--num-layers", "num_layers >= 1"]),
+    (["--max-len", "4096"], ["--max-len 4096 is longer than the target's context of 256 tokens", "8..256"]),
+    (["--steps", "0"], ["steps must be >= 1, got 0 (--steps)"]),
+    (["--batch-size", "3", "--micro-batch-size", "2"], ["--batch-size or --micro-batch-size"]),
+    (["--eval-prompts", "0"], ["--eval-prompts and --eval-tokens must be >= 1"]),
+    (["--eval-tokens", "0"], ["--eval-prompts and --eval-tokens must be >= 1"]),
+    (["--distill-tokens", "0"], ["--distill-tokens and --distill-batch must be >= 1"]),
+    (["--distill-batch", "0"], ["--distill-tokens and --distill-batch must be >= 1"]),
+])
+def test_out_of_range_options_are_refused_before_any_work(tiny_llama_dir, tmp_path, dry_run, args, needles):
+    parent = tmp_path / "runs"
+    parent.mkdir()
+    result = run_train_heads(tiny_llama_dir, parent / "heads", *args, *(["--dry-run"] if dry_run else []))
+    assert_refused(result, parent, *needles)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("target, args, needles", [
+    ("gemma", ["--head", "eagle"], ["--head eagle cannot draft for a gemma target", "--head medusa"]),
+    ("gemma", ["--head", "eagle3"], ["--head eagle3 cannot draft for a gemma target", "llama"]),
+    ("one-layer", ["--head", "eagle3"], ["--head eagle3", "1 decoder layer", "--head eagle"]),
+])
+def test_head_kind_the_target_cannot_have_is_refused(config_dirs, tmp_path, target, args, needles):
+    parent = tmp_path / "runs"
+    parent.mkdir()
+    result = run_train_heads(config_dirs[target], parent / "heads", *args, "--dry-run")
+    assert_refused(result, parent, *needles)

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from toolkit.cli import app
 from toolkit.heads.medusa import MedusaConfig, MedusaHeads, medusa_loss
 from toolkit.heads.train import TrainConfig, collate, global_batch_indices, train
 
@@ -135,6 +137,7 @@ def test_resume_is_bit_identical(tmp_path):
     assert logged == [2, 4, 6, 8, 10, 12]
 
 
+@pytest.mark.slow  # several processes or minutes of retries: the second tier
 def test_two_processes_match_one(tmp_path):
     """2 gloo ranks × 1 micro-batch of 4 against 1 process × 2 micro-batches of 4: the same global batches and
     mean, summed in another order, so parameters agree to float rounding (allclose), not bit for bit."""
@@ -207,6 +210,87 @@ def test_a_batch_without_labels_skips_the_update(tmp_path):
         train(heads, loss_fn, data, replace(CONFIG, steps=3), tmp_path, progress=False)
     assert len([w for w in caught if "no label token" in str(w.message)]) == 1
     assert all(torch.equal(before[k], v) for k, v in heads.state_dict().items())
+
+
+
+# The cheap settings of tests/test_train_heads.py, as flags; a flag given again after them wins.
+CHEAP = ["--num-heads", "2", "--samples", "4", "--max-len", "96", "--distill-tokens", "6", "--dtype", "float32",
+         "--steps", "2", "--batch-size", "2", "--micro-batch-size", "1", "--eval-every", "2", "--save-every", "2",
+         "--eval-prompts", "1", "--eval-tokens", "4"]
+
+
+def run_train_heads(model, output, *args):
+    return CliRunner().invoke(app, ["train-heads", "--model", str(model), "-o", str(output), *CHEAP,
+                                    *map(str, args)])
+
+
+def text_of(result) -> str:
+    return " ".join(result.output.split())
+
+
+def tear_last_line(path) -> None:
+    """Cut ``path``'s last line in the middle of its record, as a crash during the append would."""
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:-1]) + lines[-1][: len(lines[-1]) // 2])
+
+
+def test_torn_logs_and_answers_resume_through_the_cli(tiny_llama_dir, tmp_path):
+    out, work = tmp_path / "heads", tmp_path / "heads.work"
+    assert run_train_heads(tiny_llama_dir, out).exit_code == 0
+    answers = (work / "distill.jsonl").read_text()
+    train_dir = work / "train-medusa-k2-l1-own"
+    for path in (work / "distill.jsonl", train_dir / "train.jsonl", train_dir / "eval.jsonl"):
+        tear_last_line(path)
+    with pytest.warns(UserWarning, match="truncated") as caught:  # on stderr, outside pytest
+        result = run_train_heads(tiny_llama_dir, out, "--overwrite", "--steps", "4")
+    assert result.exit_code == 0, result.output
+    assert "rebuilding" not in text_of(result)
+    said = " ".join(str(w.message) for w in caught)
+    for torn in ("distill.jsonl line 4", "train.jsonl line 1", "eval.jsonl line 1"):
+        assert f"{torn} is truncated (an interrupted write); dropping it" in said
+    assert (work / "distill.jsonl").read_text() == answers  # the torn answer generated again, the same
+    for log, steps in (("train.jsonl", [4]), ("eval.jsonl", [4])):  # step 2's torn lines dropped, 3-4 trained
+        assert [json.loads(line)["step"] for line in (train_dir / log).read_text().splitlines()] == steps
+
+
+def test_torn_logs_resume_bit_identically(tmp_path):
+    data = chain_data()
+
+    def eval_fn(model):
+        return {"score": 0.0}
+
+    whole = new_heads()
+    train(whole, loss_fn, data, CONFIG, tmp_path / "whole", eval_fn=eval_fn, progress=False)
+    first = new_heads()
+    train(first, loss_fn, data, CONFIG, tmp_path / "split", eval_fn=eval_fn, progress=False, stop_after=6)
+    for log in ("train.jsonl", "eval.jsonl"):
+        tear_last_line(tmp_path / "split" / log)
+    resumed = new_heads()
+    with pytest.warns(UserWarning, match="truncated") as caught:
+        train(resumed, loss_fn, data, CONFIG, tmp_path / "split", eval_fn=eval_fn, progress=False)
+    said = " ".join(str(w.message) for w in caught)
+    assert "train.jsonl line 3 is truncated" in said and "eval.jsonl line 1 is truncated" in said
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    steps = {log: [json.loads(line)["step"] for line in (tmp_path / "split" / log).read_text().splitlines()]
+             for log in ("train.jsonl", "eval.jsonl")}
+    assert steps == {"train.jsonl": [2, 4, 8, 10, 12], "eval.jsonl": [8, 12]}  # the torn step 6 and eval 4 dropped
+
+
+def test_a_fresh_start_drops_the_logs_of_a_crash_before_any_checkpoint(tmp_path):
+    (tmp_path / "train.jsonl").write_text('{"step": 2, "loss": 9.0}\n{"step": 4, "lo')
+    with pytest.warns(UserWarning, match="train.jsonl line 2 is truncated"):
+        train(new_heads(), loss_fn, chain_data(), replace(CONFIG, steps=4), tmp_path, progress=False)
+    logged = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged] == [2, 4] and all("lr" in r for r in logged)  # this run's records only
+
+
+def test_a_corrupt_log_line_before_the_last_is_refused_naming_the_file(tmp_path):
+    train(new_heads(), loss_fn, chain_data(), replace(CONFIG, steps=4), tmp_path, progress=False)
+    log = tmp_path / "train.jsonl"
+    log.write_text('{"step": 2}\nnot json\n{"step": 4}\n')
+    with pytest.raises(ValueError, match="train.jsonl line 2 is not a record with a step; fix or delete"):
+        train(new_heads(), loss_fn, chain_data(), replace(CONFIG, steps=6), tmp_path, progress=False)
 
 
 if __name__ == "__main__":  # one rank of test_two_processes_match_one

@@ -22,8 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from local_hub import USER, LocalHub
+from typer.testing import CliRunner
 
+from conftest import refused
+from local_hub import USER, LocalHub
+from toolkit.cli import app
 from toolkit.formats.checkpoint import MANIFEST, sha256_file, write_directory
 from toolkit.formats.gptq import quantization_config
 from toolkit.hub import HubError, _acceptance_png, card_results, model_card, push
@@ -197,6 +200,7 @@ def decode_png(data: bytes) -> tuple[int, int, bytes]:
     return width, height, zlib.decompress(chunks[b"IDAT"])
 
 
+@pytest.mark.slow  # several processes or minutes of retries: the second tier
 def test_storage_500_mid_upload_commits_nothing_and_a_rerun_succeeds(hub, artifact, tmp_path):
     hub.inject("PUT", "/part/2", times=6)  # every attempt at part 2 of the big shard: 1 try + 5 retries
     report, _ = run_client(hub, tmp_path, "push", str(artifact), REPO)
@@ -402,3 +406,31 @@ def test_heads_for_a_quantized_target_link_its_base_and_leave_the_target_to_fill
     assert front_matter(card)["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert "for a compound checkpoint of [HuggingFaceTB/SmolLM2-135M-Instruct]" in card
     assert "vllm serve TARGET --speculative-config" in card and str(artifact.parent) not in card
+
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture
+def runs(runs):
+    """conftest's ``runs``, checked to be empty again when the case ends."""
+    yield runs
+    assert list(runs.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def rtn_checkpoint(tmp_path_factory, tiny_llama_dir):
+    out = tmp_path_factory.mktemp("bad-inputs") / "rtn"
+    assert run("quantize", "--model", tiny_llama_dir, "--method", "rtn", "--group-size", "32", "-o", out).exit_code == 0
+    return out
+
+
+def test_push_results_that_are_not_json_names_the_file(tmp_path, runs, rtn_checkpoint):
+    results = tmp_path / "results.json"
+    results.write_text("{not json")
+    refused(run("push", rtn_checkpoint, "--repo", "someone/tiny", "--results", results),
+            f"--results {results}: not valid JSON", "line 1")

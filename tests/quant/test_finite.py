@@ -2,7 +2,10 @@ import itertools
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from conftest import refused
+from toolkit.cli import app
 from toolkit.quant.finite import all_finite
 
 
@@ -25,3 +28,53 @@ def test_half_precision_sums_in_float32():
 
 def test_only_false_alarm_is_a_float32_overflowing_sum():
     assert not all_finite(torch.tensor([3e38, 3e38]))
+
+
+runner = CliRunner()
+
+
+TINY = ["--group-size", "32"]
+
+
+CALIBRATION = ["--samples", "4", "--seq-len", "32"]
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def model_dir(root, tokenizer, name, value, tensor="model.layers.1.mlp.down_proj.weight"):
+    """A tiny Llama directory whose ``tensor`` has ``value`` at [0, 0]."""
+    from conftest import tiny_model
+
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.get_parameter(tensor)[0, 0] = value
+    path = root / name
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def broken_models(tmp_path_factory, smol_tokenizer):
+    root = tmp_path_factory.mktemp("broken-models")
+    return {
+        "nan": model_dir(root, smol_tokenizer, "nan", float("nan")),
+        "inf": model_dir(root, smol_tokenizer, "inf", float("inf")),
+        "huge": model_dir(root, smol_tokenizer, "huge", 1e6, tensor="model.embed_tokens.weight"),
+    }
+
+
+@pytest.mark.parametrize("method,kind,extra", [("rtn", "nan", []), ("gptq", "inf", CALIBRATION),
+                                                ("rtn", "nan", ["--stream"])])
+def test_non_finite_weights_stop_the_run_naming_layer_and_tensor(runs, broken_models, method, kind, extra):
+    result = run("quantize", "--model", broken_models[kind], "--method", method, *TINY, *extra, "-o", runs / "q")
+    refused(result, "non-finite weights", "model.layers.1.mlp.down_proj.weight", "decoder layer 1", "--model")
+    assert list(runs.iterdir()) == []
+
+
+def test_a_tensor_float16_cannot_hold_is_refused_naming_dtype(runs, broken_models):
+    result = run("quantize", "--model", broken_models["huge"], "--method", "rtn", *TINY, "-o", runs / "q")
+    refused(result, "non-finite tensor", "model.embed_tokens.weight", "--dtype bfloat16")
+    assert list(runs.iterdir()) == []

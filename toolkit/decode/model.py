@@ -22,9 +22,10 @@ whose frequencies change with the sequence length (dynamic NTK, longrope) are re
 
 Two forwards compute the same layers. A float32 model with a float cache on a CPU runs the work between its linears
 as a few C++ calls per layer (``toolkit.runtime.decode_step``: on SmolLM2 W4 that took a two-thread step from 13-15
-to 7.7 ms, since the twenty-odd torch operations each cost more to dispatch than to compute); everything else, and
-every model where that file does not build, runs the torch forward, which stays the reference the C++ step is tested
-against. Both give a token the same bits decoded alone as among a block's rows (see ``attention_dtype``).
+to 7.7 ms, since the twenty-odd torch operations each cost more to dispatch than to compute); everything else,
+every model where that file does not build, and a long prompt's prefill (``Decoder.torch_prefill_rows``) run the
+torch forward, which stays the reference the C++ step is tested against. Both give a token the same bits decoded
+alone as among a block's rows (see ``attention_dtype``).
 """
 
 from __future__ import annotations
@@ -76,7 +77,18 @@ class _Layer:
 
 
 class Decoder:
-    """The forward of a supported causal LM over a static KV cache; build it with ``Decoder.from_model``."""
+    """The forward of a supported causal LM over a static KV cache; build it with ``Decoder.from_model``.
+
+    ``torch_prefill_rows``: a prompt of at least this many tokens run from slot 0 goes through the torch forward
+    even where the C++ step runs. The C++ attention re-reads the cache for every row, so its cost grows with the
+    square of a prefill's length while what it saves (some 11 ms of dispatch per forward on SmolLM2) does not: a
+    512-token prompt took 1.5 s against the torch forward's 1.1 s, and the two estimates cross near 85 rows. This
+    stays lossless: a prompt is prefilled from slot 0 by the same call in greedy and in speculative decoding, so both
+    continue from the same cache bits, and every later forward (start > 0: single tokens, verification trees) runs
+    the C++ step, which gives each row the same bits alone or in a block.
+    """
+
+    torch_prefill_rows = 64
 
     def __init__(self, model: nn.Module, max_len: int, kv_dtype: torch.dtype | None = None,
                  kv_scales: torch.Tensor | None = None, feature_layers: tuple[int, ...] | None = None,
@@ -204,7 +216,8 @@ class Decoder:
         x = F.embedding(tokens.to(self.device), self.embed)  # (T, D)
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
-        layers = self._native_layers if self.native_step is not None else self._torch_layers
+        long_prefill = start == 0 and depth is None and T >= self.torch_prefill_rows
+        layers = self._native_layers if self.native_step is not None and not long_prefill else self._torch_layers
         hidden, features = layers(x, start, rope, masks)
         logits = self.lm_head(hidden)
         if self.final_softcap is not None:

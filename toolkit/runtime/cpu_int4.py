@@ -180,24 +180,27 @@ def prepare_int4_cpu(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     return Int4CpuWeight("torch", packed, scale_and_zero, None, torch_group_size, N, K, perm)
 
 
+_CHUNK_K = 8  # input columns per packed chunk, in both layouts
+
+
 def _pack_avx512(codes: torch.Tensor) -> torch.Tensor:
     """codes int [N_pad, K] → uint8 [N_pad/16, K/8, 64]: in chunk c of block b, byte 2·(2n + i) + h holds the codes
     of column 16b + n at k = 8c + 4h + i (low nibble) and k = 8c + 4h + 2 + i (high nibble), i.e. 16-bit word 2n + i
     holds k = 8c + 2s + i in its nibble s (the layout ``cpu_int4_avx512.cpp`` reads)."""
     N, K = codes.shape
-    q = codes.to(torch.uint8).view(N // 16, 16, K // 8, 4, 2)  # [block, n, chunk, s, i]: k = 8·chunk + 2s + i
+    q = codes.to(torch.uint8).view(N // 16, 16, K // _CHUNK_K, 4, 2)  # [block, n, chunk, s, i]: k = 8·chunk + 2s + i
     low_byte, high_byte = q[:, :, :, 0] | (q[:, :, :, 1] << 4), q[:, :, :, 2] | (q[:, :, :, 3] << 4)  # [b, n, c, i]
     words = torch.stack([low_byte, high_byte], dim=-1)  # [b, n, c, i, byte]: little-endian word
-    return words.permute(0, 2, 1, 3, 4).reshape(N // 16, K // 8, 64).contiguous()
+    return words.permute(0, 2, 1, 3, 4).reshape(N // 16, K // _CHUNK_K, 64).contiguous()
 
 
 def _pack_avx2(codes: torch.Tensor) -> torch.Tensor:
     """codes int [N_pad, K] → uint8 [N_pad/8, K/8, 32]: in chunk c of block b, the little-endian 32-bit lane n holds
     in its nibble j the code of column 8b + n at k = 8c + j (the layout ``cpu_int4_avx2.cpp`` reads)."""
     N, K = codes.shape
-    q = codes.to(torch.uint8).view(N // 8, 8, K // 8, 4, 2)  # [block, n, chunk, byte, nibble]: j = 2·byte + nibble
+    q = codes.to(torch.uint8).view(N // 8, 8, K // _CHUNK_K, 4, 2)  # [block, n, chunk, byte, nibble]: j = 2·byte + nibble
     lanes = q[..., 0] | (q[..., 1] << 4)  # [b, n, c, byte]
-    return lanes.permute(0, 2, 1, 3).reshape(N // 8, K // 8, 32).contiguous()
+    return lanes.permute(0, 2, 1, 3).reshape(N // 8, K // _CHUNK_K, 32).contiguous()
 
 
 @dataclass(frozen=True)
@@ -205,14 +208,24 @@ class NativeKernel:
     """One of compound's kernels: how it is built (``native``) and how it reads a weight. Blocks of ``block``
     output columns packed by ``pack``; each code q read as the number (bias + q) / unit, so that
     W = s·(q − z) = (unit·s)·(bias + q)/unit − (z + bias)·s: stored scale unit·s and offset −(z + bias)·s per (group,
-    column); x rounded to ``x_dtype`` (to nearest even, by the kernel itself for fp32 x)."""
+    column); x rounded to ``x_dtype`` (to nearest even, by the kernel itself for fp32 x). Block, bias and unit are
+    the build's ``constants``, which its C++ exports and ``native`` checks at load."""
 
     build: native.NativeBuild
-    block: int
-    bias: int
-    unit: int
     pack: Callable[[torch.Tensor], torch.Tensor]
     x_dtype: torch.dtype
+
+    @property
+    def block(self) -> int:
+        return self.build.constants["BLOCK_N"]
+
+    @property
+    def bias(self) -> int:
+        return self.build.constants["CODE_BIAS"]
+
+    @property
+    def unit(self) -> int:
+        return self.build.constants["CODE_UNIT"]
 
     def load(self):
         """The compiled module (its ``w4_mm``), or None where it does not run here (see ``native``)."""
@@ -221,13 +234,15 @@ class NativeKernel:
 
 # compound's kernels, fastest first: ``default_kernel`` takes the first that loads.
 NATIVE = {
-    "avx512-bf16": NativeKernel(
+    "avx512-bf16": NativeKernel(  # a code is the bf16 number 128 + q
         native.NativeBuild("cpu_int4_avx512.cpp", ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
-                                    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")),
-        block=16, bias=128, unit=1, pack=_pack_avx512, x_dtype=torch.bfloat16),  # a code is the bf16 number 128 + q
-    "avx2-fma": NativeKernel(
-        native.NativeBuild("cpu_int4_avx2.cpp", ("avx2", "fma"), ("-mavx2", "-mfma")),
-        block=8, bias=16, unit=16, pack=_pack_avx2, x_dtype=torch.float32),  # a code is the fp32 number 1 + q/16
+                           ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"),
+                           {"BLOCK_N": 16, "CHUNK_K": _CHUNK_K, "CODE_BIAS": 128, "CODE_UNIT": 1}),
+        pack=_pack_avx512, x_dtype=torch.bfloat16),
+    "avx2-fma": NativeKernel(  # a code is the fp32 number 1 + q/16
+        native.NativeBuild("cpu_int4_avx2.cpp", ("avx2", "fma"), ("-mavx2", "-mfma"),
+                           {"BLOCK_N": 8, "CHUNK_K": _CHUNK_K, "CODE_BIAS": 16, "CODE_UNIT": 16}),
+        pack=_pack_avx2, x_dtype=torch.float32),
 }
 KERNELS = (*NATIVE, "torch")  # fastest first
 

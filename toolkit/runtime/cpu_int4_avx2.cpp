@@ -1,5 +1,5 @@
 // compound's W4A16 matmul for x86 CPUs with AVX2 and FMA (no AVX-512): y = x · Ŵᵀ, x and weights exact, fp32 sums.
-// toolkit/runtime/cpu_int4.py packs the weights (``_pack_avx2``) and documents the layout; cpu_int4_native.py
+// toolkit/runtime/cpu_int4.py packs the weights (``_pack_avx2``) and documents the layout; native.py
 // builds this file. Per block of 8 output columns the codes stream once, front to back, from one contiguous run.
 //
 // packed uint8 [NB, K/8, 32]: chunk c of block b is 8 little-endian 32-bit lanes; lane n holds in its nibble j
@@ -19,11 +19,14 @@ constexpr int64_t kBlockN = 8;       // output columns per block: one ymm of fp3
 constexpr int64_t kChunkK = 8;       // input columns per 32-byte chunk
 constexpr int64_t kPrefetch = 1024;  // bytes ahead in the block's stream
 constexpr int kSums = 8;             // partial sums per row and group: FMA chains that hide its latency
+// A code q moved to mantissa bits kCodeShift.. of fp32 1.0 is the number 1 + q/kCodeUnit = (kCodeBias + q)/kCodeUnit.
+constexpr int kCodeShift = 19;
+constexpr int64_t kCodeUnit = int64_t{1} << (23 - kCodeShift), kCodeBias = kCodeUnit;
 
 // Code j of every lane of w as the fp32 number 1 + q/16: the nibble moved to bits 19..22, the exponent of 1.0 set.
 template <int J>
 inline __m256 code_as_float(__m256i w, __m256i mantissa, __m256i one) {
-  constexpr int shift = 19 - 4 * J;
+  constexpr int shift = kCodeShift - 4 * J;
   const __m256i moved = shift >= 0 ? _mm256_slli_epi32(w, shift) : _mm256_srli_epi32(w, -shift);
   return _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(moved, mantissa), one));
 }
@@ -34,7 +37,7 @@ inline __m256 code_as_float(__m256i w, __m256i mantissa, __m256i one) {
 // registers (measured slower at every batch).
 void block_row(const float* x, const float* x_group_sums, int64_t G, int64_t group_size, const uint8_t* codes,
                const float* scale, const float* offset, float* y, int64_t columns) {
-  const __m256i mantissa = _mm256_set1_epi32(0x00780000);
+  const __m256i mantissa = _mm256_set1_epi32(0xF << kCodeShift);
   const __m256i one = _mm256_set1_epi32(0x3F800000);
   const int64_t chunks = group_size / kChunkK;
   __m256 out = _mm256_setzero_ps();
@@ -111,5 +114,10 @@ at::Tensor w4_mm(at::Tensor x, at::Tensor packed, at::Tensor scale, at::Tensor o
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  // the layout and code numbers toolkit/runtime/cpu_int4.py packs for (it checks them at load)
+  module.attr("BLOCK_N") = kBlockN;
+  module.attr("CHUNK_K") = kChunkK;
+  module.attr("CODE_BIAS") = kCodeBias;
+  module.attr("CODE_UNIT") = kCodeUnit;
   module.def("w4_mm", &w4_mm, "compound's AVX2-FMA W4A16 matmul (toolkit/runtime/cpu_int4.py packs its weights)");
 }

@@ -20,6 +20,10 @@ constexpr int64_t kChunkK = 8;       // input columns per 64-byte chunk
 constexpr int64_t kPrefetch = 2048;  // bytes ahead in the block's stream (best of 512..8192 on a 2-core Xeon)
 constexpr int kRowsPerPass = 2;      // rows of x that share one pass over a block's codes (all sums in registers)
 constexpr int kSums = 4;             // partial sums per row and group: four independent chains of vdpbf16ps
+// A code q is read as the bf16 number kCodeBias + q: its nibble OR-ed into the low mantissa bits of bf16 128.0,
+// whose mantissa step is 1 (so the unit, q's step, is 1).
+constexpr int64_t kCodeBias = 128, kCodeUnit = 1;
+constexpr uint16_t kBf16CodeBias = 0x4300;  // bf16 128.0
 
 // Rows [0, MB) of x against one block of 16 columns. Every row is summed in the same order whatever MB is, so a row
 // gets the same bits alone (decoding) as among others (prefill, speculative verification): that keeps speculative
@@ -29,7 +33,7 @@ void block_rows(const at::BFloat16* x, int64_t K, const float* x_group_sums, int
                 const uint8_t* codes, const float* scale, const float* offset, float* y, int64_t ldy,
                 int64_t columns) {
   const __m512i nibble = _mm512_set1_epi16(0x0f);
-  const __m512i bf16_128 = _mm512_set1_epi16(0x4300);
+  const __m512i bf16_128 = _mm512_set1_epi16(kBf16CodeBias);
   const int64_t chunks = group_size / kChunkK;
   __m512 out[MB];
   for (int m = 0; m < MB; ++m) out[m] = _mm512_setzero_ps();
@@ -122,5 +126,10 @@ at::Tensor w4_mm(at::Tensor x, at::Tensor packed, at::Tensor scale, at::Tensor o
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
+  // the layout and code numbers toolkit/runtime/cpu_int4.py packs for (it checks them at load)
+  module.attr("BLOCK_N") = kBlockN;
+  module.attr("CHUNK_K") = kChunkK;
+  module.attr("CODE_BIAS") = kCodeBias;
+  module.attr("CODE_UNIT") = kCodeUnit;
   module.def("w4_mm", &w4_mm, "compound's AVX512-BF16 W4A16 matmul (toolkit/runtime/cpu_int4.py packs its weights)");
 }
