@@ -49,10 +49,11 @@ def test_in_memory_and_offloaded_estimates(skeleton):
 def test_statistics_parts_follow_the_capabilities(skeleton):
     def statistics(config):
         parts = memory.estimate(skeleton, config, 16, 32, streamed=True).parts
-        return "hessians" in parts, "awq inputs" in parts
+        return "hessians" in parts, "awq inputs" in parts, "learned rounding" in parts
 
     assert {name: statistics(cls(group_size=32)) for name, cls in METHODS.items()} == {
-        "rtn": (False, False), "gptq": (True, False), "awq": (False, True), "awq+gptq": (True, True),
+        "rtn": (False, False, False), "gptq": (True, False, False), "awq": (False, True, False),
+        "awq+gptq": (True, True, False), "signround": (False, False, True),
     }
 
     @dataclass(frozen=True)
