@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import pytest
 
 from toolkit import methods
-from toolkit.methods import awq, awq_gptq, driver, driver_for, error_measure, gptq, rtn
+from toolkit.methods import awq, awq_gptq, driver, driver_for, error_measure, gptq, rtn, signround
 from toolkit.quant.configs import METHODS, RTNConfig
 
 
@@ -18,13 +18,14 @@ def test_every_method_has_a_driver_and_an_error_measure(name):
 def test_each_method_is_driven_by_its_module():
     assert {name: driver_for(cls()) for name, cls in METHODS.items()} == {
         "rtn": rtn.quantize_layer, "gptq": gptq.quantize_layer, "awq": awq.quantize_layer,
-        "awq+gptq": awq_gptq.quantize_layer,
+        "awq+gptq": awq_gptq.quantize_layer, "signround": signround.quantize_layer,
     }
     assert {name: error_measure(cls()) for name, cls in METHODS.items()} == {
         "rtn": "relative weight error ‖Ŵ − W‖ / ‖W‖",
         "gptq": "Hessian-weighted squared error (GPTQ loss)",
         "awq": "relative output error on calibration activations",
         "awq+gptq": "Hessian-weighted squared error (GPTQ loss)",
+        "signround": "layer output error on the calibration data relative to round-to-nearest's",
     }
 
 
@@ -38,7 +39,7 @@ def test_a_subclass_keeps_its_methods_driver_and_a_new_method_needs_its_own(monk
         method = "novel"
 
     assert driver_for(CalibratedRTN()) is rtn.quantize_layer
-    with pytest.raises(ValueError, match=r"no layer driver for method 'novel'; known: awq, awq\+gptq, gptq, rtn"):
+    with pytest.raises(ValueError, match=r"no layer driver for method 'novel'; known: awq, awq\+gptq, gptq, rtn, signround"):
         driver_for(NovelConfig())
     monkeypatch.setattr(methods, "_REGISTRY", dict(methods._REGISTRY))  # the registration below is this test's
 
