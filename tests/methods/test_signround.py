@@ -10,6 +10,7 @@ from conftest import tiny_model
 from typer.testing import CliRunner
 
 from conftest import refused
+from toolkit.architectures import supporting
 from toolkit.cli import app
 from toolkit.engine.loop import LayerSession, capture_layer_inputs, quantize_layers
 from toolkit.methods import driver_for, signround
@@ -148,3 +149,13 @@ def test_the_loss_goes_down_and_the_best_iterate_is_kept():
     # the float layer is untouched: the fake-quantized weights were only passed in
     assert all(torch.equal(m.weight, decoder_layers(tiny_model("llama", vocab=VOCAB))[0].get_submodule(n).weight)
                for n, m in layer_linears(layer).items())
+
+
+@pytest.mark.parametrize("model_type", supporting())
+def test_every_family_learns_without_losing_to_round_to_nearest(model_type):
+    """One calibration batch, so the best iterate's loss is the whole batch's: never above round-to-nearest's."""
+    model = tiny_model(model_type, vocab=VOCAB)
+    config = SignRoundConfig(group_size=32, iters=8, moe_min_tokens=1)
+    _, sunk, errors = run(config, model, tokens(samples=4))
+    assert len(sunk) == sum(len(layer_linears(layer)) for layer in decoder_layers(model))
+    assert max(errors.values()) <= 1 + 1e-5 and min(errors.values()) < 1, errors

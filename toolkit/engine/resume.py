@@ -65,7 +65,7 @@ class LayerCheckpoints:
         its driver's ``errors`` and its experts' ``routed`` token counts."""
         quantized = {f"{name}.weight" for name in weights}
         record = {
-            "weights": {name: {f.name: getattr(q, f.name) for f in fields(q)} for name, q in weights.items()},
+            "weights": {name: {f.name: _plain(getattr(q, f.name)) for f in fields(q)} for name, q in weights.items()},
             "parameters": {n: p.detach().cpu() for n, p in layer.named_parameters() if n not in quantized},
             "errors": dict(errors),
             "routed": dict(routed),
@@ -87,3 +87,9 @@ class LayerCheckpoints:
     def remove(self) -> None:
         """Delete the directory: the run it served is complete."""
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _plain(value):
+    """A tensor as a detached CPU tensor (a bias may be the linear's own Parameter, on the compute device); any other
+    value as it is."""
+    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
