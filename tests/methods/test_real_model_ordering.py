@@ -23,7 +23,7 @@ from toolkit.engine.loop import quantize_layers
 from toolkit.evaluate.perplexity import perplexity
 from toolkit.methods import driver_for
 from toolkit.models import load_model, load_tokenizer
-from toolkit.quant.configs import AWQConfig, AWQGPTQConfig, GPTQConfig, RTNConfig
+from toolkit.quant.configs import AWQConfig, AWQGPTQConfig, GPTQConfig, RTNConfig, SignRoundConfig
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,11 @@ CONFIGS = {
     "gptq": GPTQConfig(**COMMON, act_order=True),
     "awq": AWQConfig(**COMMON, max_tokens=1024),
     "awq+gptq": AWQGPTQConfig(**COMMON, act_order=True, max_tokens=1024),
+    "signround": SignRoundConfig(**COMMON, iters=20),
 }
+# Calibration sequences run through a layer at once: the engine's default, except for SignRound, whose iterations
+# each take one batch (AutoRound's 8 sequences of 2048 tokens; here 2 of 256, so that 20 iterations a layer fit).
+BATCH_SIZES = {"signround": 2}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +52,8 @@ def scores():
     for config in CONFIGS.values():
         model.load_state_dict(float_weights)
         calibration = tokens if config.needs_activations else None
-        quantize_layers(model, config, driver_for(config), calibration, sink=lambda *a: None)
+        quantize_layers(model, config, driver_for(config), calibration, sink=lambda *a: None,
+                        batch_size=BATCH_SIZES.get(config.method, 8))
         scores[config.method] = perplexity(model, windows).perplexity
     print("\nheld-out perplexity, W4 g64 asymmetric:", {k: round(v, 2) for k, v in scores.items()})  # with -s
     return scores
@@ -65,3 +70,7 @@ def test_awq_beats_rtn(scores):
 
 def test_awq_gptq_beats_rtn(scores):
     assert scores["float"] < scores["awq+gptq"] < scores["rtn"], scores
+
+
+def test_signround_beats_rtn(scores):
+    assert scores["float"] < scores["signround"] < scores["rtn"], scores
