@@ -39,7 +39,8 @@ def test_a_subclass_keeps_its_methods_driver_and_a_new_method_needs_its_own(monk
         method = "novel"
 
     assert driver_for(CalibratedRTN()) is rtn.quantize_layer
-    with pytest.raises(ValueError, match=r"no layer driver for method 'novel'; known: awq, awq\+gptq, gptq, rtn, signround"):
+    with pytest.raises(ValueError,
+                       match=r"no layer driver for method 'novel'; known: awq, awq\+gptq, gptq, rtn, signround"):
         driver_for(NovelConfig())
     monkeypatch.setattr(methods, "_REGISTRY", dict(methods._REGISTRY))  # the registration below is this test's
 

@@ -259,7 +259,8 @@ class SignRoundConfig(WeightQuantConfig):
 
     sym: bool = _option_of(AWQConfig, "sym")
     iters: int = option(200, "SignRound: signed-gradient iterations per decoder layer (0: round-to-nearest).")
-    lr: float | None = option(None, "SignRound: step of the rounding offsets, decaying linearly to 0 (default 1/iters).")
+    lr: float | None = option(None, "SignRound: step of the rounding offsets, decaying linearly to 0 "
+                                    "(default 1/iters).")
     minmax_lr: float | None = option(None, "SignRound: step of the clipping ranges (default --lr).")
 
     method = "signround"

@@ -12,10 +12,11 @@ format as they are. While learning, the rounding passes the gradient straight th
 codes use the true rounding.
 
 ``optimize`` is the loop: each iteration takes the loss on one calibration batch, keeps the state if that loss is the
-lowest seen so far, then moves V by −lr·sign(∂loss/∂V) and α, β by −minmax_lr·sign(∂loss/∂α, β), both rates decaying
-linearly to 0 over the iterations, and clamps them to their ranges (AutoRound's defaults: 200 iterations, lr = 1/iters,
-minmax_lr = lr, the best iterate kept). Weights are handled in buckets of equal group width (every linear of a decoder
-layer shares one at a fixed group size), so an iteration costs a few tensor operations, not one per linear.
+lowest seen so far, then moves V by −lr·sign(∂loss/∂V) and α, β by −minmax_lr times the sign of their gradients, both
+rates decaying linearly to 0 over the iterations, and clamps them to their ranges (AutoRound's defaults: 200
+iterations, lr = 1/iters, minmax_lr = lr, the best iterate kept). Weights are handled in buckets of equal group width
+(every linear of a decoder layer shares one at a fixed group size), so an iteration costs a few tensor operations, not
+one per linear.
 """
 
 from __future__ import annotations
@@ -87,9 +88,8 @@ class Rounding:
 
     def _grid(self, bucket: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         """Scale and zero [R, 1] of the bucket's groups on their clipped ranges (differentiable in α, β)."""
-        groups = bucket.groups
-        return qparams_from_range(groups.amin(-1, keepdim=True) * bucket.low, groups.amax(-1, keepdim=True) * bucket.high,
-                                  self.bits, self.sym, self.rule)
+        low, high = bucket.groups.amin(-1, keepdim=True), bucket.groups.amax(-1, keepdim=True)
+        return qparams_from_range(low * bucket.low, high * bucket.high, self.bits, self.sym, self.rule)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """Fake-quantized weights, name → [N, K] float32, differentiable in V, α, β through straight-through
