@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import inspect
+import json
 import resource
 import time
 from dataclasses import dataclass, field
@@ -14,6 +16,7 @@ import torch
 
 from toolkit.engine import distributed, memory
 from toolkit.engine.loop import Progress, capture_layer_inputs, check_finite_weights, input_widths, quantize_layers
+from toolkit.engine.resume import LayerCheckpoints
 from toolkit.engine.shards import is_safetensors_dir
 from toolkit.engine.streaming import StreamedLayers, outer_names, outer_tensors, stream_model
 from toolkit.formats import FORMATS, compressed_tensors, format_choice
@@ -143,8 +146,10 @@ def quantize(
     standard size dividing every input width; a given one is checked), then load the tokenizer; 4. estimate memory and
     disk, and refuse a run that cannot fit or whose output cannot be written; 5. load the model (whole, or only its
     embeddings when streamed) and refuse NaN or infinite weights; 6. build calibration tokens (methods that need
-    them, KV scales); 7. quantize layer by layer, packing each linear as it finishes (streamed: writing each layer);
-    8. calibrate KV-cache scales on the quantized model (if asked); 9. write the checkpoint.
+    them, KV scales); 7. quantize layer by layer, packing each linear as it finishes (streamed: writing each layer)
+    and saving each finished layer beside ``output`` (``layers_directory``; one process only), so that a rerun of a
+    killed run loads the layers it finished instead of quantizing them again; 8. calibrate KV-cache scales on the
+    quantized model (if asked); 9. write the checkpoint, then delete the saved layers.
     """
     started = time.perf_counter()
     calibration = calibration or CalibrationSpec()
@@ -210,6 +215,7 @@ def quantize(
         )
         calib_info = {**vars(calibration), "seed": config.seed, "fingerprint": fingerprint(tokens)}
         tokens = tokens[rank::world]  # this rank's share
+    checkpoints = _layer_checkpoints(output, model_spec, config, calib_info, batch_size) if world == 1 else None
     packed: dict[str, dict[str, torch.Tensor]] = {}
     routed: dict[str, int] = {}  # MoE: calibration tokens per expert
     writes = rank == 0
@@ -223,7 +229,7 @@ def quantize(
         with scratch_directory(output) if offload_activations else contextlib.nullcontext() as offload_dir:
             return quantize_layers(model, config, driver_for(config), weight_tokens, sink, batch_size=batch_size,
                                    device=distributed.rank_device() if world > 1 else "cpu", progress=progress,
-                                   source=source, offload_dir=offload_dir, routed=routed)
+                                   source=source, offload_dir=offload_dir, routed=routed, checkpoints=checkpoints)
 
     quantization_config = layout.quantization_config(config)
 
@@ -243,27 +249,43 @@ def quantize(
         errors = run_layers(StreamedLayers(model, shards, lambda index, layer: None))
         distributed.barrier()  # rank 0 is writing the checkpoint
         return _result(output, started, errors, plan, config, choices, routed)
-    if stream:
-        errors = _quantize_streamed(output, model, shards, tokenizer, packed, run_layers, dtype, overwrite,
-                                    quantization_config, manifest, _gguf_writer(gguf_file, model_spec))
-        distributed.barrier()
-        return _result(output, started, errors, plan, config, choices, routed)
-    errors = run_layers()
-    kv_tensors, kv_info = {}, None
-    if kv_cache:  # 8
-        if progress:
-            progress.step(f"calibrating {kv_cache} KV-cache scales")
-        amax = [(distributed.max_over_ranks(k), distributed.max_over_ranks(v))
-                for k, v in observe_kv_absmax(model, tokens, per_head=kv_cache_strategy == "attn_head")]
-        kv_tensors = kv.checkpoint_tensors(amax, kv_cache, arch_spec(model).layers, dtype)
-        kv_info = {"dtype": kv_cache, "strategy": kv_cache_strategy, "scale": f"amax / {kv.QMAX[kv_cache]:g}"}
-        if fmt == compressed_tensors.NAME:
-            quantization_config["kv_cache_scheme"] = kv.kv_cache_scheme(kv_cache, kv_cache_strategy)
-    if writes:
-        write_checkpoint(output, model, tokenizer, packed, quantization_config, manifest(errors, kv_info), dtype,  # 9
-                         overwrite, extra_tensors=kv_tensors, then=_gguf_writer(gguf_file, model_spec))
+    with _resumable(checkpoints):
+        if stream:
+            errors = _quantize_streamed(output, model, shards, tokenizer, packed, run_layers, dtype, overwrite,
+                                        quantization_config, manifest, _gguf_writer(gguf_file, model_spec))
+        else:
+            errors = run_layers()
+            kv_tensors, kv_info = {}, None
+            if kv_cache:  # 8
+                if progress:
+                    progress.step(f"calibrating {kv_cache} KV-cache scales")
+                amax = [(distributed.max_over_ranks(k), distributed.max_over_ranks(v))
+                        for k, v in observe_kv_absmax(model, tokens, per_head=kv_cache_strategy == "attn_head")]
+                kv_tensors = kv.checkpoint_tensors(amax, kv_cache, arch_spec(model).layers, dtype)
+                kv_info = {"dtype": kv_cache, "strategy": kv_cache_strategy,
+                           "scale": f"amax / {kv.QMAX[kv_cache]:g}"}
+                if fmt == compressed_tensors.NAME:
+                    quantization_config["kv_cache_scheme"] = kv.kv_cache_scheme(kv_cache, kv_cache_strategy)
+            if writes:
+                write_checkpoint(output, model, tokenizer, packed, quantization_config, manifest(errors, kv_info),  # 9
+                                 dtype, overwrite, extra_tensors=kv_tensors, then=_gguf_writer(gguf_file, model_spec))
     distributed.barrier()
     return _result(output, started, errors, plan, config, choices, routed)
+
+
+@contextlib.contextmanager
+def _resumable(checkpoints: LayerCheckpoints | None):
+    """Steps 7-9 with per-layer checkpoints: deleted once the checkpoint is written, and when the run fails (a rerun
+    would fail the same way, or the user changes something); kept when it is interrupted (Ctrl-C, or killed), for the
+    rerun to resume from."""
+    try:
+        yield
+    except Exception:
+        if checkpoints is not None:
+            checkpoints.remove()
+        raise
+    if checkpoints is not None:
+        checkpoints.remove()
 
 
 def with_routers(config: WeightQuantConfig, model: torch.nn.Module) -> WeightQuantConfig:
@@ -321,6 +343,25 @@ def _remove_leftovers(output: Path, progress: Progress | None) -> None:
     if removed and progress:
         progress.step(f"removed {len(removed)} leftover(s) of killed runs for {output.name} in {output.parent}: "
                       f"{', '.join(removed)}")
+
+
+def layers_directory(output: Path) -> Path:
+    """Where a quantize run for ``output`` keeps its finished layers until the checkpoint is written
+    (``.<name>.layers`` beside it)."""
+    return output.parent / f".{output.name}.layers"
+
+
+def _layer_checkpoints(output: Path, model_spec: str, config: WeightQuantConfig, calibration: dict,
+                       batch_size: int) -> LayerCheckpoints:
+    """Step 7's per-layer checkpoints (``toolkit.engine.resume``), keyed by everything the layers' results depend on:
+    the compound version, the model's identity, the config, the calibration tokens and the batch size. A rerun with the
+    same key after a kill resumes after the last finished layer."""
+    from toolkit.identity import target_identity
+
+    key = json.dumps({"compound_version": __version__, "model": target_identity(model_spec),
+                      "quantization": config.to_dict(), "calibration": calibration, "batch_size": batch_size},
+                     sort_keys=True, default=str)
+    return LayerCheckpoints(layers_directory(output), hashlib.sha256(key.encode()).hexdigest())
 
 
 def _check_data_parallel(config: WeightQuantConfig, calibration: CalibrationSpec, world: int) -> None:

@@ -6,7 +6,7 @@ from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from toolkit.engine import memory
-from toolkit.quant.configs import METHODS, GPTQConfig, RTNConfig
+from toolkit.quant.configs import METHODS, GPTQConfig, RTNConfig, SignRoundConfig
 
 MiB = 2**20
 
@@ -38,6 +38,17 @@ def test_streamed_gptq_estimate_by_hand(skeleton):
     assert got.total == sum(got.parts.values())
 
 
+def test_learned_rounding_and_saved_layers_by_hand(skeleton):
+    got = memory.estimate(skeleton, SignRoundConfig(group_size=32), 16, 32, streamed=True).parts
+    forward = 8 * 32 * (3 * 128 + 2 * 4 * 32) * 4 + 3 * 8192 * 4
+    # targets: samples × seq_len × hidden; the layer's linear weights (q, o 4096; k, v 2048; gate, up, down 8192) × 8
+    assert got["learned rounding"] == (16 * 32 * 64 + 8 * 36864) * 4 + 2 * forward
+    # the checkpoint: packed linears, every other value in float16, extras; the saved layers: a byte per code of both
+    # layers (73728), scale and zero in float32 per group of 32, the 4 norms of 64 in float32
+    written = memory.disk_estimate(skeleton, RTNConfig(group_size=32), 0, 32, 2, offload=False)
+    assert written == 2 * 25344 + (106816 - 73728) * 2 + memory.EXTRAS + 73728 + 73728 // 32 * 8 + 4 * 64 * 4
+
+
 def test_in_memory_and_offloaded_estimates(skeleton):
     in_memory = memory.estimate(skeleton, RTNConfig(group_size=32), 0, 32, streamed=False)
     assert in_memory.parts == {"runtime": 512 * MiB, "float model": 106816 * 4, "output": 2 * 2 * 25344}
@@ -49,10 +60,11 @@ def test_in_memory_and_offloaded_estimates(skeleton):
 def test_statistics_parts_follow_the_capabilities(skeleton):
     def statistics(config):
         parts = memory.estimate(skeleton, config, 16, 32, streamed=True).parts
-        return "hessians" in parts, "awq inputs" in parts
+        return "hessians" in parts, "awq inputs" in parts, "learned rounding" in parts
 
     assert {name: statistics(cls(group_size=32)) for name, cls in METHODS.items()} == {
-        "rtn": (False, False), "gptq": (True, False), "awq": (False, True), "awq+gptq": (True, True),
+        "rtn": (False, False, False), "gptq": (True, False, False), "awq": (False, True, False),
+        "awq+gptq": (True, True, False), "signround": (False, False, True),
     }
 
     @dataclass(frozen=True)

@@ -21,7 +21,7 @@ def test_each_method_is_driven_by_its_own_module():
     for name, cls in METHODS.items():
         assert driver_for(cls()).__module__ == f"toolkit.methods.{name.replace('+', '_')}", name
     assert error_measure(METHODS["awq+gptq"]()) == error_measure(METHODS["gptq"]()) == gptq.ERROR_MEASURE
-    assert len({error_measure(METHODS[name]()) for name in ("rtn", "gptq", "awq")}) == 3
+    assert len({error_measure(METHODS[name]()) for name in ("rtn", "gptq", "awq", "signround")}) == 4
 
 
 def test_a_subclass_keeps_its_methods_driver_and_a_new_method_needs_its_own(monkeypatch):
@@ -34,7 +34,8 @@ def test_a_subclass_keeps_its_methods_driver_and_a_new_method_needs_its_own(monk
         method = "novel"
 
     assert driver_for(CalibratedRTN()) is rtn.quantize_layer
-    with pytest.raises(ValueError, match=r"no layer driver for method 'novel'; known: awq, awq\+gptq, gptq, rtn"):
+    with pytest.raises(ValueError,
+                       match=r"no layer driver for method 'novel'; known: awq, awq\+gptq, gptq, rtn, signround"):
         driver_for(NovelConfig())
     monkeypatch.setattr(methods, "_REGISTRY", dict(methods._REGISTRY))  # the registration below is this test's
 

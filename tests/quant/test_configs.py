@@ -13,6 +13,7 @@ from toolkit.quant.configs import (
     ConfigError,
     GPTQConfig,
     RTNConfig,
+    SignRoundConfig,
     WeightQuantConfig,
     make_config,
     methods_that,
@@ -20,7 +21,8 @@ from toolkit.quant.configs import (
 
 
 def test_methods_are_named_by_their_classes():
-    assert METHODS == {"rtn": RTNConfig, "gptq": GPTQConfig, "awq": AWQConfig, "awq+gptq": AWQGPTQConfig}
+    assert METHODS == {"rtn": RTNConfig, "gptq": GPTQConfig, "awq": AWQConfig, "awq+gptq": AWQGPTQConfig,
+                       "signround": SignRoundConfig}
     assert all(cls.method == name for name, cls in METHODS.items())
     assert methods_that("data_parallel") == ["rtn", "gptq"]
     assert methods_that("reorders_columns") == ["gptq", "awq+gptq"]

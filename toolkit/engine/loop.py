@@ -48,6 +48,7 @@ from torch import nn
 from toolkit.architectures import Family
 from toolkit.engine.heap import trim_heap
 from toolkit.engine.offload import DiskActivations
+from toolkit.engine.resume import LayerCheckpoints
 from toolkit.experts import ExpertLinears, every_token, expert_index, weighing_rows
 from toolkit.models import arch_spec, decoder_layers, layer_linears
 from toolkit.quant.configs import WeightQuantConfig
@@ -360,6 +361,7 @@ def quantize_layers(
     source: LayerSource | None = None,
     offload_dir: Path | None = None,
     routed: dict[str, int] | None = None,
+    checkpoints: LayerCheckpoints | None = None,
 ) -> dict[str, float]:
     """Quantize every decoder-layer linear of ``model`` in place (weights replaced by their dequantized values) and
     hand each ``QuantizedWeight`` to ``sink(full_name, weight)`` as soon as its layer is done. Returns each linear's
@@ -371,6 +373,8 @@ def quantize_layers(
     layers instead of memory.
     routed: filled, for a Mixture-of-Experts model, with the calibration tokens routed to each expert (full module
     name → count).
+    checkpoints: where each finished layer is saved, and where a layer saved by an earlier run of the same key is
+    loaded from instead of being quantized again (``toolkit.engine.resume``); it still runs forward for the next.
     """
     scratch = None if offload_dir is None else Path(offload_dir)
     progress = progress or _Silent()
@@ -395,7 +399,13 @@ def quantize_layers(
         linears = {n: m for n, m in layer_linears(layer).items() if not _skipped(f"{prefix}.{index}.{n}", config)}
         session = LayerSession(index, layer, inputs, config, linears, arch=arch_spec(model))
         everyone = config.moe_calibration == "all"
-        if inputs is not None:
+        saved = None if checkpoints is None else checkpoints.load(index)
+        counts: dict[str, int] = {}
+        if saved is not None:
+            progress.step(f"layer {index}: loaded from {checkpoints.directory}")
+            saved.restore(layer)
+            session.errors, counts = saved.errors, saved.routed
+        elif inputs is not None:
             structure = frozenset(layer_linears(layer))  # dense and sparse layers of one MoE model differ
             if structure not in traced:
                 traced[structure] = session.trace_input_groups(), session.trace_replayable()
@@ -405,16 +415,21 @@ def quantize_layers(
             counts = session.routed_tokens()
             session.sparse = {n for n in linears if not everyone and _expert(n) in counts
                               and counts[_expert(n)] < max(config.moe_min_tokens, 1)}
-            if routed is not None:
-                routed.update({f"{prefix}.{index}.{e}": c for e, c in counts.items()})
+        if routed is not None:
+            routed.update({f"{prefix}.{index}.{e}": c for e, c in counts.items()})
         with torch.no_grad():
-            with every_token(layer, everyone), weighing_rows(layer, session.arch.experts):
-                results = driver(session)
+            if saved is not None:
+                results = saved.weights
+            else:
+                with every_token(layer, everyone), weighing_rows(layer, session.arch.experts):
+                    results = driver(session)
             for name, qweight in results.items():
                 _check_finite_scales(qweight, f"{prefix}.{index}.{name}", config)
                 linear = linears[name]
                 linear.weight.copy_(qweight.dequantize().to(linear.weight.dtype))
                 sink(f"{prefix}.{index}.{name}", qweight)
+            if checkpoints is not None and saved is None:
+                checkpoints.save(index, layer, results, session.errors, counts)
             if inputs is not None:
                 store = None if scratch is None else DiskActivations(scratch / f"layer-{index}")
                 outputs = session.forward(store)

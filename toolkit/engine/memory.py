@@ -11,13 +11,15 @@ Counted from the model's shapes (a meta-device skeleton is enough), float32 as t
 | forward | one batch: 3 MLP-wide tensors, 2 attention-score tensors, and 3 copies of the largest linear | same |
 | replay | GPTQ true-sequential, activations in memory: o_proj's and down_proj's inputs (samples × seq_len × (hidden + the widest input)), kept so attention and the MLP are not recomputed | same |
 | statistics | a Hessian (``needs_hessian``, GPTQ): 3 × K² for the widest input K (the Hessian, then its permuted copy and Cholesky factor, then the factor and its inverse: two at a time, plus allocator slack); a scale search (``searches_scales``, AWQ): max_tokens × every input | same |
+| learned rounding | ``learns_rounding`` (SignRound): the float layer's outputs (samples × seq_len × hidden), 8 copies of the layer's linear weights (offsets, their best copy and gradient, the fake-quantized weights and their intermediates), and the backward of one batch (twice the forward row) | same |
 | output | one packed layer, twice (tensors and safetensors' serialized bytes) | the whole packed model, twice |
 
 An estimate, not a measurement: it aims a little high, so that a refusal is never a close call.
 
 ``disk_estimate`` counts the disk a run writes the same way: the checkpoint (the output row's packed linears of every
-layer, every other tensor in the saved dtype, and ``EXTRAS`` for tokenizer and configs) and, with offload, the
-activations row on disk.
+layer, every other tensor in the saved dtype, and ``EXTRAS`` for tokenizer and configs), the finished layers saved
+until it is written (``toolkit.engine.resume``: a byte per code, float32 scale and zero per group, the layers' other
+parameters in float32) and, with offload, the activations row on disk.
 """
 
 from __future__ import annotations
@@ -100,6 +102,9 @@ def estimate(
         parts["hessians"] = 3 * max(m.in_features for m in linears) ** 2 * FLOAT
     if config.searches_scales:
         parts["awq inputs"] = config.max_tokens * sum(m.in_features for m in linears) * FLOAT
+    if config.learns_rounding and samples:
+        parts["learned rounding"] = (samples * seq_len * hidden + 8 * sum(m.weight.numel() for m in linears)) * FLOAT \
+            + 2 * parts["forward"]
     packed_layer = sum(_packed_bytes(m.weight.numel(), config) for m in linears)
     parts["output"] = 2 * packed_layer * (1 if streamed else len(layers))
     return MemoryEstimate(streamed, offload, parts)
@@ -109,11 +114,15 @@ def disk_estimate(
     model: nn.Module, config: WeightQuantConfig, samples: int, seq_len: int, dtype_size: int, *, offload: bool
 ) -> int:
     """Bytes a quantize run of ``model`` (its shapes) writes beside its output: the checkpoint, whose unquantized
-    tensors take ``dtype_size`` bytes a value, and with ``offload`` two layers' activations of ``samples`` ×
-    ``seq_len`` tokens."""
+    tensors take ``dtype_size`` bytes a value, its layers saved for a resume, and with ``offload`` two layers'
+    activations of ``samples`` × ``seq_len`` tokens."""
     linears = [m for layer in decoder_layers(model) for m in layer_linears(layer).values()]
-    float_values = sum(p.numel() for p in model.parameters()) - sum(m.weight.numel() for m in linears)
+    quantized = sum(m.weight.numel() for m in linears)
+    float_values = sum(p.numel() for p in model.parameters()) - quantized
     written = sum(_packed_bytes(m.weight.numel(), config) for m in linears) + float_values * dtype_size + EXTRAS
+    group = quantized if config.group_size == -1 else config.group_size
+    saved_layers = sum(p.numel() for p in decoder_layers(model).parameters()) - quantized
+    written += quantized + quantized // group * 2 * FLOAT + saved_layers * FLOAT
     if offload:
         written += 2 * samples * seq_len * model.config.hidden_size * FLOAT
     return written

@@ -62,4 +62,4 @@ def error_measure(config: WeightQuantConfig) -> str:
 
 
 # Last, because each driver module registers itself with ``driver`` above when imported.
-from toolkit.methods import awq, awq_gptq, gptq, rtn  # noqa: E402,F401
+from toolkit.methods import awq, awq_gptq, gptq, rtn, signround  # noqa: E402,F401

@@ -41,7 +41,9 @@ class WeightQuantConfig:
     Capabilities (class attributes a method overrides): ``needs_activations``, it reads calibration activations;
     ``needs_hessian``, it accumulates a K×K Hessian per input (GPTQ's statistics, counted by the memory estimate);
     ``searches_scales``, it runs AWQ's scale search on ``max_tokens`` tokens (kept per input, counted likewise);
-    ``reorders_columns``, it honours act_order; ``data_parallel``, it can split its calibration over torchrun ranks.
+    ``reorders_columns``, it honours act_order; ``data_parallel``, it can split its calibration over torchrun ranks;
+    ``learns_rounding``, it learns the rounding on each layer's output by gradient descent (SignRound: float targets,
+    the learned state and one batch's backward, counted likewise).
     moe_calibration / moe_min_tokens: what the experts of a Mixture-of-Experts layer are calibrated on, and below how
     many routed tokens an expert's linears fall back to round-to-nearest (``toolkit.engine.loop``).
     """
@@ -74,6 +76,7 @@ class WeightQuantConfig:
     searches_scales: ClassVar[bool] = False
     reorders_columns: ClassVar[bool] = False
     data_parallel: ClassVar[bool] = False
+    learns_rounding: ClassVar[bool] = False
 
     def __post_init__(self):
         if not 2 <= self.bits <= 8:
@@ -244,8 +247,47 @@ class AWQGPTQConfig(GPTQConfig):
             raise ConfigError(f"grid must be positive, got {self.grid}")
 
 
+@dataclass(frozen=True)
+class SignRoundConfig(WeightQuantConfig):
+    """SignRound (arXiv 2309.05516, AutoRound): per-weight rounding offsets and per-group clipping ranges learned by
+    signed gradient descent on each decoder layer's output (``toolkit.quant.signround``, ``toolkit.methods.signround``).
+
+    iters: iterations per layer (0: round-to-nearest's codes exactly). lr: step of the rounding offsets, decaying
+    linearly to 0 (default 1/iters, AutoRound's). minmax_lr: step of the clipping ranges (default lr). sym defaults to
+    False, as AWQ's and AutoRound's asymmetric runs.
+    """
+
+    sym: bool = _option_of(AWQConfig, "sym")
+    iters: int = option(200, "SignRound: signed-gradient iterations per decoder layer (0: round-to-nearest).")
+    lr: float | None = option(None, "SignRound: step of the rounding offsets, decaying linearly to 0 "
+                                    "(default 1/iters).")
+    minmax_lr: float | None = option(None, "SignRound: step of the clipping ranges (default --lr).")
+
+    method = "signround"
+    learns_rounding = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.iters < 0:
+            raise ConfigError(f"--iters must be 0 or more (0: round-to-nearest), got {self.iters}")
+        for name in ("lr", "minmax_lr"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+    @property
+    def rounding_lr(self) -> float:
+        """The step of the rounding offsets: ``lr``, or 1/iters when unset."""
+        return self.lr if self.lr is not None else 1 / max(self.iters, 1)
+
+    @property
+    def clipping_lr(self) -> float:
+        """The step of the clipping ranges: ``minmax_lr``, or the rounding step when unset."""
+        return self.minmax_lr if self.minmax_lr is not None else self.rounding_lr
+
+
 METHODS: dict[str, type[WeightQuantConfig]] = {
-    cls.method: cls for cls in (RTNConfig, GPTQConfig, AWQConfig, AWQGPTQConfig)
+    cls.method: cls for cls in (RTNConfig, GPTQConfig, AWQConfig, AWQGPTQConfig, SignRoundConfig)
 }
 DEFAULT_METHOD = RTNConfig.method  # what `compound quantize` and a recipe without `method` run
 
