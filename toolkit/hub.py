@@ -20,7 +20,7 @@ used, and it is never printed or written.
 | key | content | written by |
 |---|---|---|
 | ``divergence`` | ``kl``, ``top1_agreement``, ``perplexity``, ``base_perplexity``, ``tokens`` [, ``dataset``, ``windows``, ``seq_len``] | ``toolkit.evaluate.divergence`` |
-| ``eval`` | an ``eval.json`` report (schema ``compound.eval/1``, README "Evaluation report"); ``--results`` may name an ``eval.json`` itself | ``compound eval``, ``compound run`` |
+| ``eval`` | an ``eval.json`` report (schema ``compound.eval/1``, docs/usage.md "Evaluation report"); ``--results`` may name an ``eval.json`` itself | ``compound eval``, ``compound run`` |
 | ``acceptance`` | ``[{"mode", "shape", "nodes", "mean_accepted_length", "acceptance_rate", "speculative_tokens_per_s", ...}]`` | ``compound validate --heads --json`` |
 | ``heads_eval`` | the same reports keyed by mode | ``compound run`` |
 | ``gates`` | the thresholds checked, as lines of text | ``compound run`` |

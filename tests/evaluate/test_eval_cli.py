@@ -14,7 +14,7 @@ from toolkit.evaluate.report import KEYS, SLICE_KEYS
 from toolkit.evaluate.slices import SLICES
 
 FAST = ("--windows", "1", "--seq-len", "32", "--new-tokens", "4")
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "usage.md"
 
 
 def run(*args):

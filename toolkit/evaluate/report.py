@@ -2,7 +2,7 @@
 PNG plots (matplotlib), and the terminal tables.
 
 ``eval.json`` follows schema ``compound.eval/1``: the keys ``KEYS``, each slice's and the total's metrics
-``SLICE_KEYS``, every key always present (null where it does not apply). README.md ("Evaluation report") documents
+``SLICE_KEYS``, every key always present (null where it does not apply). docs/usage.md ("Evaluation report") documents
 each key; a test holds the two together.
 """
 
