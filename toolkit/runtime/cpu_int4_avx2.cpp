@@ -1,5 +1,5 @@
 // compound's W4A16 matmul for x86 CPUs with AVX2 and FMA (no AVX-512): y = x · Ŵᵀ, x and weights exact, fp32 sums.
-// toolkit/runtime/cpu_int4.py packs the weights (``_pack_avx2``) and documents the layout; cpu_int4_native.py
+// toolkit/runtime/cpu_int4.py packs the weights (``_pack_avx2``) and documents the layout; native.py
 // builds this file. Per block of 8 output columns the codes stream once, front to back, from one contiguous run.
 //
 // packed uint8 [NB, K/8, 32]: chunk c of block b is 8 little-endian 32-bit lanes; lane n holds in its nibble j
