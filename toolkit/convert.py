@@ -64,7 +64,7 @@ def convert(model: Path | str, fmt: str, output: Path | str, *, overwrite: bool 
         raise ConfigError(f"{source} is already a {fmt} checkpoint; nothing to convert")
     record = dict(manifest["quantization"])
     config = make_config(record.pop("method"), **{k: tuple(v) if k == "skip" else v for k, v in record.items()})
-    target, origin = FORMATS[fmt], FORMATS[src_fmt]
+    target, origin = LAYOUTS[fmt], LAYOUTS[src_fmt]
     kv_info = manifest.get("kv_cache")
     _check_target(fmt, config, kv_info)
     dtype = getattr(torch, config_json.get("torch_dtype", "float16"))
@@ -110,7 +110,7 @@ def _read_json(directory: Path, name: str) -> dict:
 def _check_target(fmt: str, config, kv_info: dict | None) -> None:
     """Refuse, before reading any tensor, what the target layout cannot carry, naming the reason."""
     try:
-        FORMATS[fmt].check_supported(config)
+        LAYOUTS[fmt].check_supported(config)
     except ConfigError as err:
         raise ConversionError(f"cannot convert to {fmt}: {err}") from None
     if fmt == compressed_tensors.NAME and kv_info and kv_info["dtype"] != "fp8":

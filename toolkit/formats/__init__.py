@@ -1,12 +1,12 @@
 """On-disk formats: one module per layout, with its tensor table in the docstring, and their registry.
 
 Every format module declares ``NAME``, ``CHECKPOINT`` (True: a safetensors checkpoint directory with a
-``quantization_config``; False: one file written from a checkpoint's codes, GGUF), ``check_supported(config)``,
-``TRITON_KERNEL`` (the ``TritonKernel`` that runs it in ``QuantLinear``, None where compound runs none) and
-``vllm_kernel(scheme, quant)`` (the vLLM method and kernel a checkpoint gets, and why). A checkpoint layout also
-declares ``SUFFIXES`` (the tensors of every quantized linear), ``OPTIONAL_SUFFIXES``, ``pack`` / ``unpack`` /
+``quantization_config``; False: one file written from a checkpoint's codes, GGUF), ``TRITON_KERNEL`` (the
+``TritonKernel`` that runs it in ``QuantLinear``, None where compound runs none) and ``vllm_kernel(scheme, quant)``
+(the vLLM method and kernel a checkpoint gets, and why). A checkpoint layout also declares ``SUFFIXES`` (the tensors
+of every quantized linear), ``OPTIONAL_SUFFIXES``, ``check_supported(config)``, ``pack`` / ``unpack`` /
 ``dequantize``, ``quantization_config(config)`` (what it writes) and ``read_config(quant)`` (what it reads back, a
-``Scheme``). The byte layouts are in docs/formats.md.
+``Scheme``); GGUF's grid check is ``gguf.block_type``. The byte layouts are in docs/formats.md.
 """
 
 from __future__ import annotations

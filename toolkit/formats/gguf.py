@@ -54,17 +54,11 @@ EMBEDDING_TYPE = "Q8_0"  # token embeddings (and an untied output), whatever the
 FLOAT_TYPES = ("F16", "F32")  # float exports: every 2-D weight in this type, norms always F32
 
 
-
 def block_type(config: WeightQuantConfig) -> str:
     """The GGUF block type of ``config``'s grid (``gguf_blocks.block_type``); FormatError naming the reason and the
     flag to change when GGUF blocks cannot hold it exactly."""
     dynamic = config.act_order and not config.static_groups and config.group_size != -1
     return gguf_blocks.block_type(config.bits, config.sym, config.group_size, dynamic)
-
-
-def check_supported(config: WeightQuantConfig) -> None:
-    """Refuse, before any weight is read, a grid that GGUF blocks cannot hold exactly (``block_type``)."""
-    block_type(config)
 
 
 def vllm_kernel(scheme: Scheme | None, quant: dict) -> tuple[str, str]:
