@@ -1,6 +1,6 @@
 """Torch oracle for the W4A16 kernels: pack, unpack and dequantize the three 4-bit layouts, then matmul in fp32.
 
-Written straight from FORMATS.md §1–§4 and deliberately independent of ``toolkit.formats`` (the tests check the
+Written straight from docs/formats.md §1–§4 and deliberately independent of ``toolkit.formats`` (the tests check the
 two against each other, and both against hand-built golden words). K = in_features, N = out_features, g = group
 size (-1: one group per output channel), G = K/g groups. Every packed word is int32 and holds eight 4-bit codes;
 nibble i sits at bits [4i, 4i+4).

@@ -1,6 +1,6 @@
 """W4A16 GEMM for the AWQ GEMM layout: ``y = x @ dequant(W).T`` with the int4 codes dequantized in registers.
 
-Packed tensors (FORMATS.md §3; K = in_features, N = out_features, G = K/g groups, no act-order):
+Packed tensors (docs/formats.md §3; K = in_features, N = out_features, G = K/g groups, no act-order):
 
 | tensor  | dtype          | shape     | content                                                                   |
 |---------|----------------|-----------|---------------------------------------------------------------------------|

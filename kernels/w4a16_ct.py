@@ -1,6 +1,6 @@
 """W4A16 GEMM for the compressed-tensors ``pack-quantized`` layout, run by the GPTQ kernel.
 
-Packed tensors (FORMATS.md §4; K = in_features, N = out_features, G groups):
+Packed tensors (docs/formats.md §4; K = in_features, N = out_features, G groups):
 
 | tensor            | dtype          | shape    | content                                                   |
 |-------------------|----------------|----------|-----------------------------------------------------------|

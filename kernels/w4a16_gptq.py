@@ -1,6 +1,6 @@
 """W4A16 GEMM for the GPTQ layout: ``y = x @ dequant(W).T`` with the int4 codes dequantized in registers.
 
-Packed tensors (FORMATS.md §2; K = in_features, N = out_features, G groups):
+Packed tensors (docs/formats.md §2; K = in_features, N = out_features, G groups):
 
 | tensor    | dtype          | shape     | content                                                        |
 |-----------|----------------|-----------|----------------------------------------------------------------|

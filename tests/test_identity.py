@@ -1,6 +1,6 @@
 """``toolkit.identity``: a local model is pinned by its files' sizes, mtimes and safetensors headers (no weight byte
 read, so a recipe's dry run of a big model is instant), the full content hash only where a manifest records it; a
-Hub id by the revision it resolves to (tests/hub/test_hub_revision.py serves one)."""
+Hub id by the revision it resolves to (tests/hub/test_hub_public.py serves one)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The repository's own folders never shadow a package that transformers imports: `python benchmarks/x.py` puts
+"""The repository's own folders never shadow a package that transformers imports: `python benchmarks/<script>.py` puts
 `benchmarks/` first on sys.path, and `python -m pytest` the repository root, so a module named `kernels` there would
 hide the PyPI package `kernels` that transformers 5.25 imports when it is installed (the root's `kernels/` is
 installed as `toolkit.kernels`; tests/conftest.py and validate's child process keep the root off sys.path)."""

@@ -80,9 +80,8 @@ def _choices(command: str, flag: str) -> set[str] | None:
 def _enumerated():
     """(command, flag, the values declared for it) for every enumerated option of the CLI."""
     from toolkit.cli.evaluate import HEADS_DTYPES
-    from toolkit.convert import TARGETS
     from toolkit.decode.kv_cache import CACHE_DTYPES
-    from toolkit.formats import gguf
+    from toolkit.formats import FORMATS, gguf
     from toolkit.heads.options import TARGET_DTYPES
     from toolkit.quant.configs import METHODS
     from toolkit.quantize import QuantizeSettings
@@ -90,7 +89,7 @@ def _enumerated():
     settings = {f.name: f.metadata["compound.choices"] for f in QuantizeSettings.__dataclass_fields__.values()}
     return [("quantize", "--dtype", settings["dtype"]), ("quantize", "--format", settings["format"]),
             ("quantize", "--kv-cache", settings["kv_cache"]), ("quantize", "--method", tuple(METHODS)),
-            ("train-heads", "--dtype", TARGET_DTYPES), ("convert", "--format", TARGETS),
+            ("train-heads", "--dtype", TARGET_DTYPES), ("convert", "--format", tuple(FORMATS)),
             ("convert", "--outtype", gguf.FLOAT_TYPES),
             ("decode", "--kv-cache", tuple(CACHE_DTYPES)), ("validate", "--dtype", HEADS_DTYPES)]
 

@@ -1,5 +1,5 @@
 """``validate`` on tiny checkpoints: a good one passes with every runtime path agreeing, a changed byte is named,
-and the serving preview follows FORMATS.md §6."""
+and the serving preview follows docs/formats.md §6."""
 
 import json
 import shutil

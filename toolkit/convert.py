@@ -3,7 +3,7 @@
 Every quantized linear goes ``unpack`` (source layout) → ``QuantizedWeight`` (codes, scale, zero, g_idx) → ``pack``
 (target layout), and is unpacked again to check that the target holds the very same numbers; everything else
 (embeddings, norms, ``lm_head``, KV-cache scales, tokenizer files) is copied as is. A conversion the target cannot
-hold exactly is refused with the reason (FORMATS.md §2–§4):
+hold exactly is refused with the reason (docs/formats.md §2–§5):
 
 | target             | refused when                                                                         |
 |--------------------|--------------------------------------------------------------------------------------|
@@ -25,14 +25,13 @@ from pathlib import Path
 
 import torch
 
-from toolkit.formats import FORMATS, compressed_tensors, gguf
+from toolkit.formats import FORMATS, LAYOUTS, compressed_tensors
 from toolkit.formats.checkpoint import MANIFEST, WEIGHTS_INDEX, read_tensors, write_directory
 from toolkit.quant import kv_cache as kv
 from toolkit.quant.configs import ConfigError, make_config
 from toolkit.quant.primitives import QuantizedWeight
 from toolkit.version import __version__
 
-TARGETS = (*FORMATS, gguf.NAME)  # what ``convert`` writes: the directory layouts, and GGUF files
 _NOT_COPIED = {WEIGHTS_INDEX, "config.json", "quantize_config.json", MANIFEST}  # rewritten, not copied
 
 
@@ -41,31 +40,31 @@ class ConversionError(ConfigError):
 
 
 def convert(model: Path | str, fmt: str, output: Path | str, *, overwrite: bool = False, outtype: str = "F16") -> Path:
-    """Re-pack the compound checkpoint ``model`` as ``fmt`` (one of ``TARGETS``) into ``output``. ``gguf`` writes
-    one file (``toolkit.gguf_export``; a float ``model`` in ``outtype``).
+    """Re-pack the compound checkpoint ``model`` as ``fmt`` (one of ``FORMATS``) into ``output``. A format that is
+    one file (GGUF) is written by ``toolkit.gguf_export`` (a float ``model`` in ``outtype``).
 
     Steps for a directory layout: 1. read the source's config, manifest and numerics, refuse a target that cannot hold them; 2. read its
     tensors; 3. re-pack every quantized linear, checking the round trip; 4. write the new directory atomically.
     """
-    if fmt == gguf.NAME:
+    if fmt not in FORMATS:
+        raise ConfigError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if not FORMATS[fmt].CHECKPOINT:
         from toolkit.gguf_export import export_gguf
 
         return export_gguf(model, output, outtype, overwrite)
     source, output = Path(model), Path(output)
-    if fmt not in FORMATS:
-        raise ConfigError(f"unknown format {fmt!r}; choose one of {', '.join(TARGETS)}")
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
     config_json, manifest = _read_json(source, "config.json"), _read_json(source, MANIFEST)  # 1
     quant = config_json.get("quantization_config") or {}
     src_fmt = quant.get("quant_method")
-    if src_fmt not in FORMATS:
-        raise ConfigError(f"{source}: quant_method {src_fmt!r} is not a layout compound writes ({', '.join(FORMATS)})")
+    if src_fmt not in LAYOUTS:
+        raise ConfigError(f"{source}: quant_method {src_fmt!r} is not a layout compound writes ({', '.join(LAYOUTS)})")
     if src_fmt == fmt:
         raise ConfigError(f"{source} is already a {fmt} checkpoint; nothing to convert")
     record = dict(manifest["quantization"])
     config = make_config(record.pop("method"), **{k: tuple(v) if k == "skip" else v for k, v in record.items()})
-    target, origin = FORMATS[fmt], FORMATS[src_fmt]
+    target, origin = LAYOUTS[fmt], LAYOUTS[src_fmt]
     kv_info = manifest.get("kv_cache")
     _check_target(fmt, config, kv_info)
     dtype = getattr(torch, config_json.get("torch_dtype", "float16"))
@@ -111,7 +110,7 @@ def _read_json(directory: Path, name: str) -> dict:
 def _check_target(fmt: str, config, kv_info: dict | None) -> None:
     """Refuse, before reading any tensor, what the target layout cannot carry, naming the reason."""
     try:
-        FORMATS[fmt].check_supported(config)
+        LAYOUTS[fmt].check_supported(config)
     except ConfigError as err:
         raise ConversionError(f"cannot convert to {fmt}: {err}") from None
     if fmt == compressed_tensors.NAME and kv_info and kv_info["dtype"] != "fp8":

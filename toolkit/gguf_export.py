@@ -1,4 +1,5 @@
-"""The GGUF export verb: a compound checkpoint or a float model as one GGUF file that llama.cpp loads unchanged.
+"""The GGUF export verb: a compound checkpoint or a float model as one GGUF file that llama.cpp loads unchanged; and
+``quantize --gguf``'s file, written from the weights in hand (``QuantizedGGUF``).
 
 A compound checkpoint (GPTQ, AWQ or compressed-tensors layout) keeps its codes: every quantized linear goes
 ``unpack`` (its layout) → ``QuantizedWeight`` → ``gguf_blocks.pack``, with no re-rounding, so llama.cpp computes
@@ -18,14 +19,11 @@ import json
 import tempfile
 from pathlib import Path
 
-import torch
-
 from toolkit.architectures import UnsupportedFamily, family
-from toolkit.formats import FORMATS, gguf, gguf_blocks
+from toolkit.formats import LAYOUTS, gguf, gguf_blocks
 from toolkit.formats.checkpoint import MANIFEST, read_tensors
 from toolkit.formats.scheme import FormatError
-from toolkit.quant.kv_cache import SCALE_NAMES as KV_SCALE_NAMES
-from toolkit.quant.primitives import QuantizedWeight, default_g_idx
+from toolkit.quant.configs import WeightQuantConfig
 
 
 def export_gguf(model: str | Path, output: str | Path, outtype: str = "F16", overwrite: bool = False) -> Path:
@@ -50,9 +48,10 @@ def checkpoint_gguf(directory: Path, output: Path, source_spec: str = "", overwr
 
     config = AutoConfig.from_pretrained(directory)
     check_family(config)
-    tensors, types = _checkpoint_tensors(directory, config)
+    tensors = _checkpoint_tensors(directory, config)
     metadata = gguf.tokenizer_metadata(directory, _source_gguf(source_spec))
-    return gguf.write_gguf(output, {**_header(config, directory.name, types), **metadata}, tensors, overwrite)
+    header = _header(config, directory.name, tensors.types())
+    return gguf.write_gguf(output, {**header, **metadata}, tensors.listed(), overwrite)
 
 
 def float_gguf(spec: str, output: Path, outtype: str = "F16", overwrite: bool = False) -> Path:
@@ -63,12 +62,13 @@ def float_gguf(spec: str, output: Path, outtype: str = "F16", overwrite: bool = 
         raise FormatError(f"--outtype {outtype!r}: float GGUF exports are {' or '.join(gguf.FLOAT_TYPES)}")
     model = load_model(spec)
     check_family(model.config)
-    tensors = _float_tensors(model.state_dict(), model.config, outtype)
+    tensors = gguf.FileTensors(model.config)
+    tensors.add_floats(model.state_dict(), outtype)
     with tempfile.TemporaryDirectory() as directory:
         load_tokenizer(spec).save_pretrained(directory)
         metadata = gguf.tokenizer_metadata(Path(directory), _source_gguf(spec))
     header = _header(model.config, Path(spec).stem, {outtype})
-    return gguf.write_gguf(output, {**header, **metadata}, tensors, overwrite)
+    return gguf.write_gguf(output, {**header, **metadata}, tensors.listed(), overwrite)
 
 
 def file_name(directory: Path, type_name: str) -> Path:
@@ -104,70 +104,41 @@ def _source_gguf(spec: str) -> Path | None:
     return path if path.suffix == ".gguf" and path.is_file() else None
 
 
-def _checkpoint_tensors(source: Path, config) -> tuple[list[tuple[str, str, torch.Tensor]], set[str]]:
-    """The GGUF tensors of compound checkpoint ``source`` and the block types of its linears."""
+def _checkpoint_tensors(source: Path, config) -> gguf.FileTensors:
+    """The GGUF tensors of compound checkpoint ``source``: each quantized linear unpacked from its layout, its codes
+    written unchanged."""
     quant = json.loads((source / "config.json").read_text()).get("quantization_config") or {}
-    if quant.get("quant_method") not in FORMATS:
+    if quant.get("quant_method") not in LAYOUTS:
         raise FormatError(f"{source}: quant_method {quant.get('quant_method')!r} is not a layout compound reads")
-    scheme = FORMATS[quant["quant_method"]].read_config(quant)
+    scheme = LAYOUTS[quant["quant_method"]].read_config(quant)
     gguf_blocks.block_type(scheme.bits, scheme.sym, scheme.group_size, scheme.desc_act)  # refused before any read
     layout = scheme.format
     stored = read_tensors(source)
     marker = "." + layout.SUFFIXES[0]
-    linears = sorted(name.removesuffix(marker) for name in stored if name.endswith(marker))
-    quantized = set(linears)
-    out, types = [], set()
-    for module in linears:
+    quantized = {name.removesuffix(marker) for name in stored if name.endswith(marker)}
+    tensors = gguf.FileTensors(config)
+    for module in sorted(quantized):
         parts = {s: stored[f"{module}.{s}"] for s in layout.SUFFIXES + layout.OPTIONAL_SUFFIXES + ("bias",)
                  if f"{module}.{s}" in stored}
-        qweight = layout.unpack(parts, scheme.bits, scheme.group_size, scheme.sym)
-        if qweight.bias is not None:
-            raise FormatError(f"{module} has a bias, which GGUF's {gguf.ARCH} architecture does not hold")
-        try:
-            type_name, blocks = gguf_blocks.pack(qweight)
-        except FormatError as err:
-            raise FormatError(f"{module} cannot be written as GGUF blocks exactly: {err}") from None
-        heads = gguf.rope_rows(module, config)
-        out.append((gguf.tensor_name(module), type_name, blocks if heads is None else gguf.to_rope_order(blocks, heads)))
-        types.add(type_name)
-    floats = {name: t for name, t in stored.items() if name.rpartition(".")[0] not in quantized}
-    out += _float_tensors(floats, config, None)
-    return out, types
+        tensors.add_linear(module, layout.unpack(parts, scheme.bits, scheme.group_size, scheme.sym))
+    tensors.add_floats({name: t for name, t in stored.items() if name.rpartition(".")[0] not in quantized})
+    return tensors
 
 
-def _float_tensors(state: dict[str, torch.Tensor], config, outtype: str | None) -> list[tuple[str, str, torch.Tensor]]:
-    """GGUF tensors of the float weights in ``state``: norms F32; 2-D weights in ``outtype``, or (None) embeddings
-    and an untied output as ``EMBEDDING_TYPE``. A tied ``lm_head`` is not written (llama.cpp reads token_embd), nor
-    are KV-cache scales."""
-    out = []
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    for name, tensor in sorted(state.items()):
-        module, _, kind = name.rpartition(".")
-        if kind in KV_SCALE_NAMES:  # llama.cpp scales its quantized KV cache per block itself
-            continue
-        if kind != "weight" or (tied and module == "lm_head"):
-            if kind == "weight":
-                continue
-            raise FormatError(f"{name} has no place in GGUF's {gguf.ARCH} architecture")
-        if tensor.dim() == 1:
-            type_name, data = "F32", tensor
-        elif outtype is not None:
-            type_name, data = outtype, tensor
-        else:
-            type_name, data = gguf_blocks.pack(_q8_0(tensor))
-        heads = gguf.rope_rows(module, config)
-        out.append((gguf.tensor_name(module), type_name, data if heads is None else gguf.to_rope_order(data, heads)))
-    return out
+class QuantizedGGUF:
+    """``quantize --gguf``: the GGUF file of the checkpoint being written, from the weights in hand. ``tensors``
+    takes each quantized linear's codes as the engine releases it and the float tensors as the checkpoint stores
+    them (in its dtype); ``write(staging)`` writes the file into the checkpoint's directory once its tokenizer is
+    there. Built before any weight is read, so a family or grid GGUF cannot hold is refused first."""
 
+    def __init__(self, output: Path, config: WeightQuantConfig, model_config, model_spec: str):
+        check_family(model_config)
+        self.path = file_name(Path(output), gguf.block_type(config))
+        self.tensors = gguf.FileTensors(model_config)
+        self.model_spec = model_spec
 
-def _q8_0(weight: torch.Tensor) -> QuantizedWeight:
-    """Round-to-nearest symmetric 8-bit codes over blocks of 32 with fp16 scales (Q8_0's grid: d = amax/127)."""
-    N, K = weight.shape
-    if not gguf.blocks_fit(K):
-        raise FormatError(f"a width of {K} is not whole GGUF blocks of {gguf_blocks.BLOCK_SIZE}")
-    blocks = weight.float().reshape(N, K // gguf_blocks.BLOCK_SIZE, gguf_blocks.BLOCK_SIZE)
-    scale = (blocks.abs().amax(dim=-1) / 127).to(torch.float16).float()
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    codes = (torch.round(blocks / scale[..., None]).clamp(-128, 127) + 128).to(torch.uint8).reshape(N, K)
-    return QuantizedWeight(codes, scale, torch.full_like(scale, 128, dtype=torch.int32), default_g_idx(K, 32), 8, 32,
-                           True)
+    def write(self, staging: Path) -> Path:
+        """Write the file into ``staging``, the checkpoint directory being assembled (its tokenizer files saved)."""
+        metadata = gguf.tokenizer_metadata(staging, _source_gguf(self.model_spec))
+        header = _header(self.tensors.config, self.path.parent.name, self.tensors.types())
+        return gguf.write_gguf(staging / self.path.name, {**header, **metadata}, self.tensors.listed())

@@ -19,12 +19,13 @@ from toolkit.engine.loop import Progress, capture_layer_inputs, check_finite_wei
 from toolkit.engine.resume import LayerCheckpoints
 from toolkit.engine.shards import is_safetensors_dir
 from toolkit.engine.streaming import StreamedLayers, outer_names, outer_tensors, stream_model
-from toolkit.formats import FORMATS, compressed_tensors, format_choice
+from toolkit.formats import AUTO, LAYOUTS, compressed_tensors, resolve
 from toolkit.formats.checkpoint import (
     ShardWriter,
     atomic_directory,
     check_output,
     export_config,
+    float_state_dict,
     float_tensors,
     model_extras,
     packed_tensors,
@@ -72,8 +73,8 @@ class CalibrationSpec:
 class QuantizeSettings:
     """How a quantize run writes its checkpoint and uses memory, whatever the method (``quantize`` documents each)."""
 
-    format: str = option("auto", "Checkpoint layout: auto | gptq | awq | compressed-tensors (auto: gptq when symmetric, "
-                         "awq when asymmetric 4-bit).", choices=("auto", *FORMATS), flag="--format")
+    format: str = option(AUTO, "Checkpoint layout: auto | gptq | awq | compressed-tensors (auto: gptq when symmetric, "
+                         "awq when asymmetric 4-bit).", choices=(AUTO, *LAYOUTS), flag="--format")
     dtype: str = option("float16", "dtype of unquantized tensors and scales: float16 | bfloat16 | float32 (vLLM's "
                         "int4 kernels take half precision only).", choices=("float16", "bfloat16", "float32"))
     kv_cache: str | None = option(None, "Also calibrate static KV-cache scales: fp8 (vLLM --kv-cache-dtype fp8; read "
@@ -158,10 +159,8 @@ def quantize(
     stream, offload_activations, batch_size = settings.stream, settings.offload_activations, settings.batch_size
     trust_remote_code, dtype = settings.trust_remote_code, getattr(torch, settings.dtype)
     output = Path(output)
-    fmt, fmt_reason = format_choice(config) if fmt == "auto" else (fmt, f"--format {fmt}")
-    if fmt not in FORMATS:
-        raise ConfigError(f"unknown format {fmt!r}; choose auto or one of {', '.join(FORMATS)}")
-    layout = FORMATS[fmt]
+    layout, fmt_reason = resolve(fmt, config)
+    fmt = layout.NAME
     layout.check_supported(config)  # 1
     _check_kv_cache(kv_cache, kv_cache_strategy, fmt)
     if stream and kv_cache:
@@ -184,9 +183,9 @@ def quantize(
         choices["group size"] = f"{config.group_size} ({group_reason})"
         if progress:
             progress.step(f"group size {choices['group size']}")
-    gguf_file = _gguf_file(output, config, skeleton.config, fmt, settings.dtype) if config.gguf else None
+    gguf_file = _gguf_file(output, config, skeleton.config, fmt, settings.dtype, model_spec) if config.gguf else None
     if gguf_file is not None:
-        choices["gguf"] = f"{gguf_file.name} (--gguf)"
+        choices["gguf"] = f"{gguf_file.path.name} (--gguf)"
     tokenizer = load_tokenizer(model_spec, trust_remote_code)
     if needs_tokens:  # RTN without KV scales reads no calibration tokens, so its --seq-len is unused
         check_seq_len(model_spec, calibration.seq_len, trust_remote_code)
@@ -223,6 +222,8 @@ def quantize(
     def sink(name, qweight):
         if writes:
             packed[name] = layout.pack(qweight, dtype)
+            if gguf_file is not None:
+                gguf_file.tensors.add_linear(name, qweight)
 
     def run_layers(source=None):  # 7
         weight_tokens = tokens if config.needs_activations else None
@@ -252,7 +253,7 @@ def quantize(
     with _resumable(checkpoints):
         if stream:
             errors = _quantize_streamed(output, model, shards, tokenizer, packed, run_layers, dtype, overwrite,
-                                        quantization_config, manifest, _gguf_writer(gguf_file, model_spec))
+                                        quantization_config, manifest, gguf_file)
         else:
             errors = run_layers()
             kv_tensors, kv_info = {}, None
@@ -267,8 +268,10 @@ def quantize(
                 if fmt == compressed_tensors.NAME:
                     quantization_config["kv_cache_scheme"] = kv.kv_cache_scheme(kv_cache, kv_cache_strategy)
             if writes:
+                if gguf_file is not None:
+                    gguf_file.tensors.add_floats(float_state_dict(model, set(packed), dtype))  # as the checkpoint holds
                 write_checkpoint(output, model, tokenizer, packed, quantization_config, manifest(errors, kv_info),  # 9
-                                 dtype, overwrite, extra_tensors=kv_tensors, then=_gguf_writer(gguf_file, model_spec))
+                                 dtype, overwrite, extra_tensors=kv_tensors, then=gguf_file and gguf_file.write)
     distributed.barrier()
     return _result(output, started, errors, plan, config, choices, routed)
 
@@ -313,28 +316,18 @@ def expert_report(config: WeightQuantConfig, routed: dict[str, int]) -> dict:
             "rounded_to_nearest": starved, "routed_tokens": routed}
 
 
-def _gguf_file(output: Path, config: WeightQuantConfig, model_config, fmt: str, dtype: str) -> Path:
-    """Where ``--gguf`` writes inside ``output``; FormatError (before any weight is read) for a grid, family or
-    scale dtype GGUF cannot hold (the file is written from the checkpoint's scales: they must stay fp16 values)."""
-    from toolkit.formats import gguf_blocks
+def _gguf_file(output: Path, config: WeightQuantConfig, model_config, fmt: str, dtype: str, model_spec: str):
+    """``--gguf``'s file inside ``output`` (a ``QuantizedGGUF``, filled from the weights in hand); FormatError
+    (before any weight is read) for a grid, family or scale dtype GGUF cannot hold (the file holds the checkpoint's
+    fp16 scales, which a bfloat16 checkpoint would re-round)."""
     from toolkit.formats.scheme import FormatError
-    from toolkit.gguf_export import check_family, file_name
+    from toolkit.gguf_export import QuantizedGGUF
 
-    check_family(model_config)
+    gguf_file = QuantizedGGUF(output, config, model_config, model_spec)
     if fmt == compressed_tensors.NAME and dtype == "bfloat16":
         raise FormatError("--gguf stores fp16 scales, and compressed-tensors stores scales in --dtype bfloat16, "
                           "which would re-round them: use --dtype float16 or float32, or --format gptq / awq")
-    dynamic = config.act_order and not config.static_groups and config.group_size != -1
-    return file_name(output, gguf_blocks.block_type(config.bits, config.sym, config.group_size, dynamic))
-
-
-def _gguf_writer(gguf_file: Path | None, model_spec: str):
-    """``then`` of the checkpoint writer: the GGUF file of the checkpoint being written (None: nothing)."""
-    if gguf_file is None:
-        return None
-    from toolkit.gguf_export import checkpoint_gguf
-
-    return lambda staging: checkpoint_gguf(staging, staging / gguf_file.name, model_spec)
+    return gguf_file
 
 
 def _remove_leftovers(output: Path, progress: Progress | None) -> None:
@@ -387,10 +380,12 @@ def _memory_plan(skeleton, config, samples, seq_len, stream, offload, batch_size
 
 
 def _quantize_streamed(output, model, shards, tokenizer, packed, run_layers, dtype, overwrite, quantization_config,
-                       manifest, then=None) -> dict[str, float]:
+                       manifest, gguf_file=None) -> dict[str, float]:
     """Steps 7 and 9 of ``quantize`` when streamed: inside the atomic output directory, each decoder layer is written
     to its own shard (packed linears + its float tensors) as the engine releases it, then each tensor outside the
-    layers to a shard of its own, the index, configs, tokenizer and manifest."""
+    layers to a shard of its own, the index, configs, tokenizer, ``gguf_file`` (a ``QuantizedGGUF`` given the float
+    tensors as they are written) and manifest."""
+    add_floats = gguf_file.tensors.add_floats if gguf_file is not None else lambda floats: None
     prefix = arch_spec(model).layers
     with atomic_directory(output, overwrite) as staging:
         writer = ShardWriter(staging, len(decoder_layers(model)) + len(outer_names(model)))
@@ -399,16 +394,19 @@ def _quantize_streamed(output, model, shards, tokenizer, packed, run_layers, dty
             name = f"{prefix}.{index}"
             quantized = {k: packed.pop(k) for k in [k for k in packed if k.startswith(name + ".")]}
             state = {f"{name}.{k}": t for k, t in layer.state_dict().items()}
-            writer.write(hub_tensors(model, {**float_tensors(state, set(quantized), dtype),
-                                             **packed_tensors(quantized)}))
+            floats = float_tensors(state, set(quantized), dtype)
+            add_floats(floats)
+            writer.write(hub_tensors(model, {**floats, **packed_tensors(quantized)}))
 
         errors = run_layers(StreamedLayers(model, shards, save_layer))
         for name, tensor in outer_tensors(model, shards):  # one shard each: one float tensor in memory at a time
             check_finite_weights([(name, tensor)], prefix)
-            writer.write(float_tensors({name: tensor}, set(), dtype))
+            floats = float_tensors({name: tensor}, set(), dtype)
+            add_floats(floats)
+            writer.write(floats)
         writer.write_index()
         write_metadata(staging, export_config(model, dtype, quantization_config), manifest(errors),
-                       model_extras(model, tokenizer, then))
+                       model_extras(model, tokenizer, gguf_file and gguf_file.write))
     return errors
 
 

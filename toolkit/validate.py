@@ -23,9 +23,9 @@ will serving engines run it?
    The cpu-int4 tolerance: the op rounds every linear's input to bf16 (8 significant bits), which on SmolLM2-135M
    (30 layers, RTN W4 g64, 2×64 tokens) moved the logits by at most 3.9 % of their range and flipped 4 of 128
    top-1 tokens; a wrong nibble order or group index turns logits to noise (top-1 near chance).
-3. Serving preview: which vLLM method and kernel the checkpoint gets (FORMATS.md §6), on GPU and on vLLM's CPU
+3. Serving preview: which vLLM method and kernel the checkpoint gets (docs/formats.md §6), on GPU and on vLLM's CPU
    backend, and the exact ``vllm serve`` / SGLang ``launch_server`` command lines (no ``--quantization``: engines
-   detect it, and forcing it takes the slow path, FORMATS.md §12 item 7).
+   detect it, and forcing it took the slow path before vLLM 0.32, docs/formats.md §6).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from toolkit.formats import Scheme, awq, gptq, read_quantization_config
+from toolkit.formats import Scheme, read_quantization_config
 from toolkit.formats.checkpoint import MANIFEST, tensor_files, verify_manifest
 from toolkit.quant.finite import all_finite
 from toolkit.quant.configs import describe_act_order
@@ -54,8 +54,6 @@ if TYPE_CHECKING:
 CPU_INT4_TOLERANCE = (0.9, 0.1)  # (min top-1 agreement, max |Δ logit| / max |logit|)
 TRITON_TOLERANCE = (0.999, 1e-3)
 INTERPRETER_LAYERS, INTERPRETER_TOKENS = 1, 16  # Triton on CPU: see the module docstring
-MARLIN_GROUP_SIZES = (-1, 32, 64, 128)  # vLLM marlin_utils.MARLIN_SUPPORTED_GROUP_SIZES
-MACHETE_GROUP_SIZES = (-1, 64, 128)  # vLLM machete_utils, fp16/bf16 activations
 
 
 class ChecksumError(CheckpointError):
@@ -78,7 +76,7 @@ class PathResult:
 
 @dataclass(frozen=True)
 class ServingPreview:
-    """How vLLM and SGLang will serve the checkpoint (FORMATS.md §6, §13)."""
+    """How vLLM and SGLang will serve the checkpoint (docs/formats.md §6)."""
 
     quant_method: str
     scheme: str  # e.g. "4-bit, group 64, symmetric"
@@ -305,7 +303,7 @@ def _triton_child(directory: str, tokens_path: str, layers: str, logits_path: st
     torch.save(_logits(model, torch.load(tokens_path, weights_only=True)), logits_path)
 
 
-# ---- serving preview (FORMATS.md §6, §13) --------------------------------------------------------------------------
+# ---- serving preview (docs/formats.md §6) --------------------------------------------------------------------------
 
 
 def serving_preview(directory: Path | str, shapes: list[tuple[int, int]]) -> ServingPreview:
@@ -319,7 +317,7 @@ def serving_preview(directory: Path | str, shapes: list[tuple[int, int]]) -> Ser
     problems = [f"{K}-wide input is not a multiple of group_size {group_size} (vLLM checks every linear)"
                 for K, _ in sorted(set(shapes)) if group_size != -1 and K % group_size]
 
-    vllm_gpu, why = _vllm_gpu(scheme, q)
+    vllm_gpu, why = scheme.format.vllm_kernel(scheme, q)
     cpu_problems = ([f"{bits}-bit weights (its kernel runs 4-bit only)"] if bits != 4 else []) + \
         ([f"odd group size {group_size}"] if group_size != -1 and group_size % 2 else []) + \
         [f"a {K}→{N} linear (widths must be multiples of 32)" for K, N in sorted(set(shapes)) if K % 32 or N % 32]
@@ -357,46 +355,3 @@ def _act_order(directory: Path | str, scheme: Scheme) -> str:
         return describe_act_order(quantization.get("act_order", False), quantization.get("static_groups", True),
                                   quantization.get("group_size"))
     return "on (dynamic groups)" if scheme.desc_act else "off or static groups (no manifest to tell)"
-
-
-def _fast_kernel(group_size: int) -> str:
-    """The mixed-precision kernel vLLM's chooser lands on for a Marlin-compatible layer."""
-    if group_size in MACHETE_GROUP_SIZES:
-        return "Marlin (Machete on Hopper, sm90)"
-    return "Marlin (Machete needs g ∈ {-1, 64, 128})"
-
-
-def _vllm_gpu(scheme: Scheme, q: dict) -> tuple[str, str]:
-    """(vLLM method → kernel, why) on a CUDA GPU, per FORMATS.md §6 (vLLM 0.32); ``q`` is the raw config, whose
-    missing keys vLLM refuses."""
-    bits, group_size = scheme.bits, scheme.group_size
-    marlin_group = group_size in MARLIN_GROUP_SIZES
-    if scheme.format is gptq:
-        missing = [k for k in ("bits", "group_size", "sym", "desc_act") if k not in q]
-        if missing:
-            return "refused", (f"keys {missing} missing: vLLM 0.32 requires them (older releases fall back to the "
-                               "fp16-only ExLlama path, FORMATS.md §12 item 1)")
-        if not scheme.sym:
-            return "refused", "vLLM 0.32 loads GPTQ only symmetric ('Unsupported quantization config: sym=False')"
-        if bits not in (4, 8):
-            return "refused", f"vLLM 0.32 GPTQ type map is 4- and 8-bit symmetric; this has {bits}"
-        if scheme.desc_act and group_size != -1:
-            return "refused", "desc_act with groups is no longer supported; re-quantize with static groups"
-        if not marlin_group:
-            return "gptq_marlin → ExLlama/Triton fallback", \
-                f"group {group_size} is not a Marlin group size {MARLIN_GROUP_SIZES}"
-        return f"gptq_marlin → {_fast_kernel(group_size)}", \
-            f"GPTQ {'uint4b8' if bits == 4 else 'uint8b128'} (sym {bits}-bit), g{group_size}, every key present"
-    if scheme.format is awq:
-        if bits != 4:
-            return "refused", f"vLLM's AWQ is 4-bit only; this has {bits}"
-        if not scheme.zero_point:
-            return "awq → AWQ GEMM", "zero_point false keeps AWQ off Marlin (it pairs uint4 with zero points)"
-        if not marlin_group:
-            return "awq → AWQ GEMM", f"group {group_size} is not a Marlin group size {MARLIN_GROUP_SIZES}"
-        return f"awq_marlin → {_fast_kernel(group_size)}", f"AWQ uint4 + zero points, g{group_size}, zero_point true"
-    if not marlin_group:
-        return "compressed-tensors WNA16 → Triton/ExLlama fallback", \
-            f"group {group_size} is not a Marlin group size {MARLIN_GROUP_SIZES}"
-    kind = f"uint{bits}b{1 << (bits - 1)}" if scheme.sym else f"uint{bits} + zero points"
-    return f"compressed-tensors WNA16 → {_fast_kernel(group_size)}", f"pack-quantized {kind}, g{group_size}"

@@ -39,7 +39,7 @@ def test_pack_unpack_is_exact(shape, group_size, sym):
 
 
 def test_golden_words_from_the_format_reference():
-    # FORMATS.md §1.1: codes 1..8 in eight consecutive output columns → nibbles 1 3 5 7 2 4 6 8 → 0x86427531
+    # docs/formats.md §1.1: codes 1..8 in eight consecutive output columns → nibbles 1 3 5 7 2 4 6 8 → 0x86427531
     codes = torch.arange(1, 9, dtype=torch.uint8).view(8, 1)  # (N=8, K=1)
     zero = torch.arange(1, 9, dtype=torch.int32).view(8, 1)
     qw = QuantizedWeight(codes, torch.ones(8, 1), zero, torch.zeros(1, dtype=torch.int32), 4, -1, False)

@@ -49,14 +49,14 @@ def test_pack_unpack_is_exact(shape, bits, group_size, sym):
 
 
 def test_golden_words_from_the_format_reference():
-    # FORMATS.md §1.1: codes 1..8 in eight consecutive input columns → 0x87654321 (sequential, like GPTQ)
+    # docs/formats.md §1.1: codes 1..8 in eight consecutive input columns → 0x87654321 (sequential, like GPTQ)
     qw = quantize_rtn(torch.randn(8, 32), 4, -1, True)
     qw.codes[0, :8] = torch.arange(1, 9, dtype=torch.uint8)
     assert ct.pack(qw)["weight_packed"][0, 0].item() == -2023406815
 
 
 def test_symmetric_4bit_equals_gptq_transposed():
-    # FORMATS.md §4: same grid, so one calibration run is written bit for bit in both layouts
+    # docs/formats.md §4: same grid, so one calibration run is written bit for bit in both layouts
     qw = quantize_rtn(_weight(64, 256, True), 4, 128, True)
     ours, theirs = ct.pack(qw, torch.float16), gptq.pack(qw)
     assert torch.equal(ours["weight_packed"], theirs["qweight"].t())

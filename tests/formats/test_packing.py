@@ -7,7 +7,7 @@ from toolkit.formats.packing import pack, unpack
 
 
 def test_golden_words_from_the_format_reference():
-    # FORMATS.md §1.1: codes 1..8 along the packed dimension → 0x87654321
+    # docs/formats.md §1.1: codes 1..8 along the packed dimension → 0x87654321
     codes = torch.arange(1, 9).view(8, 1)
     assert pack(codes, 4, dim=0).item() == -2023406815
     assert pack(torch.full((1, 8), 7), 4, dim=1).item() == 0x77777777

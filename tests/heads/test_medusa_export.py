@@ -34,7 +34,7 @@ VLLM_CONFIG = {
     "truncated_vocab_size": 50, "num_heads": 3, "num_hidden_layers": 2, "medusa_fc_bias": True,
     "original_lm_head": False,
 }
-# FORMATS.md §7.1 (FasterDecoding/Medusa: medusa_model_legacy.py): head k = Sequential(L ResBlocks, Linear(H, V)).
+# docs/formats.md §8.1 (FasterDecoding/Medusa: medusa_model_legacy.py): head k = Sequential(L ResBlocks, Linear(H, V)).
 MEDUSA_TENSORS = {
     "0.0.linear.weight": (16, 16), "0.0.linear.bias": (16,), "0.1.linear.weight": (16, 16), "0.1.linear.bias": (16,),
     "1.0.linear.weight": (16, 16), "1.0.linear.bias": (16,), "1.1.linear.weight": (16, 16), "1.1.linear.bias": (16,),

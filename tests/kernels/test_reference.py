@@ -1,5 +1,5 @@
-"""The torch oracle (toolkit.kernels.reference): golden words from FORMATS.md §1.1, agreement with
-toolkit.formats.gptq, and the cross-layout identities of FORMATS.md §4."""
+"""The torch oracle (toolkit.kernels.reference): golden words from docs/formats.md §1.1, agreement with
+toolkit.formats.gptq, and the cross-layout identities of docs/formats.md §4."""
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ V2_SYM_ZEROS = -2004318072  # 0x88888888
 ONE_TO_EIGHT = torch.arange(1, 9, dtype=torch.uint8)
 
 
-# ---- golden words (FORMATS.md §1.1 worked example) ---------------------------------------------------------------
+# ---- golden words (docs/formats.md §1.1 worked example) ---------------------------------------------------------------
 
 
 def test_nibbles_golden_words():
@@ -100,7 +100,7 @@ def test_gptq_oracle_matches_formats_gptq(group_size, variant):
         assert torch.equal(ours[name], tensors[name]), name
     W = R.dequantize_gptq(**tensors)
     assert torch.equal(W, gptq_format.dequantize(tensors, bits=4))
-    if bool((qweight.zero > 0).all()):  # v1 cannot store a zero of 0 (FORMATS.md §2); RTN asym may produce one
+    if bool((qweight.zero > 0).all()):  # v1 cannot store a zero of 0 (docs/formats.md §2); RTN asym may produce one
         torch.testing.assert_close(W, qweight.dequantize(), rtol=1e-3, atol=1e-6)  # scales went through fp16
 
 
@@ -129,7 +129,7 @@ def test_all_layouts_dequantize_to_the_same_weight(group_size):
 
 
 def test_symmetric_ct_is_transposed_gptq_bit_for_bit():
-    """FORMATS.md §4: symmetric, no act-order, same codes ⇒ weight_packed == qweight.T, weight_scale == scales.T."""
+    """docs/formats.md §4: symmetric, no act-order, same codes ⇒ weight_packed == qweight.T, weight_scale == scales.T."""
     torch.manual_seed(0)
     qweight = quantize_rtn(torch.randn(32, 128), bits=4, group_size=64, sym=True)
     gptq = gptq_format.pack(qweight)

@@ -16,14 +16,12 @@ from toolkit.cli.render import fit
 from toolkit.decode.kv_cache import CACHE_DTYPES
 from toolkit.engine.threads import ThreadSettings
 from toolkit.evaluate.perplexity import EVAL_WINDOWS
-from toolkit.convert import TARGETS
 from toolkit.formats import FORMATS, gguf
 from toolkit.quant.configs import DEFAULT_METHOD, METHODS, describe_act_order
 from toolkit.quantize import CalibrationSpec, QuantizeSettings
 
 MethodName = flags.choice(METHODS)
-FormatName = flags.choice(FORMATS)
-TargetName = flags.choice(TARGETS)
+TargetName = flags.choice(FORMATS)
 FloatName = flags.choice(gguf.FLOAT_TYPES)
 CacheName = flags.choice(CACHE_DTYPES)
 

@@ -10,7 +10,8 @@ Only the current layer needs to sit on the compute device, and only the current 
 ``LayerSource`` loads each layer before its session and releases it afterwards (``toolkit.engine.streaming`` reads layers
 from safetensors shards; the default does nothing, for a model already in memory). With ``offload_dir`` the
 activations between layers live on disk (``toolkit.engine.offload``). The engine knows no quantization algorithm: a driver
-is any ``LayerDriver`` callable, looked up by method name.
+is any ``LayerDriver`` callable, handed in by the caller (``toolkit.methods.driver_for``: the driver each method's
+module registered for its config class).
 
 Mixture-of-Experts layers (``toolkit.experts``: one linear per expert projection): before a layer's driver runs,
 the engine counts the calibration tokens routed to each expert. With ``moe_calibration="all"`` every expert also reads

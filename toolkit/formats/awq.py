@@ -9,10 +9,10 @@ Per quantized linear ``<module>`` with K = in_features, N = out_features, g = gr
 | ``<module>.scales`` | fp16  | [G, N]   | per group and output channel                                    |
 | ``<module>.bias``   | fp16  | [N]      | only when the linear has one                                    |
 
-Nibble i of a word holds output column 8c + AWQ_ORDER[i] = 8c + [0, 2, 4, 6, 1, 3, 5, 7][i] (FORMATS.md §1.1).
+Nibble i of a word holds output column 8c + AWQ_ORDER[i] = 8c + [0, 2, 4, 6, 1, 3, 5, 7][i] (docs/formats.md §1.1).
 Dequant: ``W[n, k] = scales[k // g, n] · (q[k, n] − z[k // g, n])``. No ``g_idx``: groups are contiguous.
 Sources: AutoAWQ ``awq/modules/linear/gemm.py`` (``WQLinear_GEMM.from_linear``) and ``awq/utils/packing_utils.py``
-(the interleave), vLLM ``quantization/awq.py``, ``awq_marlin.py`` and ``auto_awq.py`` (load); FORMATS.md §1.1, §3.
+(the interleave), vLLM ``quantization/awq.py``, ``awq_marlin.py`` and ``auto_awq.py`` (load); docs/formats.md §1.1, §3.
 
 Symmetric weights are written as zero-point AWQ with every zero equal to 8 (exact: the grid is the same), and the
 config says ``zero_point: true``. ``zero_point: false`` would keep vLLM off the Marlin path (it pairs the AWQ type
@@ -29,16 +29,19 @@ import sys
 
 import torch
 
+from toolkit.formats import vllm
 from toolkit.formats.packing import pack as pack_codes
 from toolkit.formats.packing import unpack as unpack_codes
-from toolkit.formats.scheme import FormatError, Scheme
+from toolkit.formats.scheme import FormatError, Scheme, TritonKernel
 from toolkit.quant.configs import ConfigError, WeightQuantConfig
 from toolkit.quant.primitives import QuantizedWeight, default_g_idx
 
 NAME = "awq"
 SUFFIXES = ("qweight", "qzeros", "scales")
 OPTIONAL_SUFFIXES = ()
+CHECKPOINT = True  # a safetensors checkpoint directory with a quantization_config
 BITS = 4
+TRITON_KERNEL = TritonKernel("w4a16_awq", "awq_w4a16", {s: s for s in SUFFIXES})
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds output column 8c + AWQ_ORDER[i]
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # output column 8c + j sits in nibble AWQ_REVERSE_ORDER[j]
 
@@ -121,6 +124,18 @@ def quantization_config(config: WeightQuantConfig) -> dict:
         "modules_to_not_convert": skipped or None,
         "lm_head": False,
     }
+
+
+def vllm_kernel(scheme: Scheme, quant: dict) -> tuple[str, str]:
+    """(vLLM method → kernel, why) for an AWQ checkpoint on a CUDA GPU (vLLM 0.32, docs/formats.md §6)."""
+    if scheme.bits != BITS:
+        return "refused", f"vLLM's AWQ is 4-bit only; this has {scheme.bits}"
+    if not scheme.zero_point:
+        return "awq → AWQ GEMM", "zero_point false keeps AWQ off Marlin (it pairs uint4 with zero points)"
+    if not vllm.marlin_group(scheme.group_size):
+        return "awq → AWQ GEMM", vllm.not_marlin(scheme.group_size)
+    return f"awq_marlin → {vllm.fast_kernel(scheme.group_size)}", \
+        f"AWQ uint4 + zero points, g{scheme.group_size}, zero_point true"
 
 
 def read_config(quant: dict) -> Scheme:

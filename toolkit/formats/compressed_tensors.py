@@ -14,7 +14,7 @@ Packing is sequential little-endian (code i of the packed dim at bits [i·b, (i+
 with zero codes to whole words. Dequant: ``W = (q − zp) · scale`` with the signed values, which equals our
 ``scale · (code − zero)`` with the unsigned ones: a compound code is already q + 2^(b−1), a compound zero zp + 2^(b−1),
 and the symmetric zero 2^(b−1) is zp = 0. Hence, for symmetric 4-bit weights, ``weight_packed == qweight.T`` and
-``weight_scale == scales.T`` of the GPTQ checkpoint of the same codes (FORMATS.md §4). Sources: compressed-tensors
+``weight_scale == scales.T`` of the GPTQ checkpoint of the same codes (docs/formats.md §4). Sources: compressed-tensors
 ``compressors/pack_quantized/{base,helpers}.py`` (``pack_to_int32``, ``unpack_from_int32``),
 ``quantization/quant_args.py``; vLLM ``compressed_tensors/schemes/compressed_tensors_wNa16.py`` (load).
 
@@ -29,16 +29,20 @@ import sys
 
 import torch
 
+from toolkit.formats import vllm
 from toolkit.formats.packing import pack as pack_codes
 from toolkit.formats.packing import unpack as unpack_codes
-from toolkit.formats.scheme import FormatError, Scheme
+from toolkit.formats.scheme import FormatError, Scheme, TritonKernel
 from toolkit.quant.configs import ConfigError, WeightQuantConfig
 from toolkit.quant.primitives import QuantizedWeight, default_g_idx
 
 NAME = "compressed-tensors"
 SUFFIXES = ("weight_packed", "weight_scale", "weight_shape")  # always present
 OPTIONAL_SUFFIXES = ("weight_zero_point", "weight_g_idx")
+CHECKPOINT = True  # a safetensors checkpoint directory with a quantization_config
 SUPPORTED_BITS = (4, 8)
+TRITON_KERNEL = TritonKernel("w4a16_ct", "ct_w4a16", {"weight_packed": "weight_packed", "weight_scale": "weight_scale",
+                                                      "weight_zero_point": "weight_zero_point", "g_idx": "weight_g_idx"})
 # The release whose strict (extra="forbid") parser the tests check this key set against; it parses under 0.17 too.
 COMPRESSED_TENSORS_VERSION = "0.20.1"
 
@@ -129,6 +133,16 @@ def quantization_config(config: WeightQuantConfig) -> dict:
         "transform_config": {},
         "version": COMPRESSED_TENSORS_VERSION,
     }
+
+
+def vllm_kernel(scheme: Scheme, quant: dict) -> tuple[str, str]:
+    """(vLLM method → kernel, why) for a compressed-tensors checkpoint on a CUDA GPU (vLLM 0.32, docs/formats.md
+    §6)."""
+    bits, group_size = scheme.bits, scheme.group_size
+    if not vllm.marlin_group(group_size):
+        return "compressed-tensors WNA16 → Triton/ExLlama fallback", vllm.not_marlin(group_size)
+    kind = f"uint{bits}b{1 << (bits - 1)}" if scheme.sym else f"uint{bits} + zero points"
+    return f"compressed-tensors WNA16 → {vllm.fast_kernel(group_size)}", f"pack-quantized {kind}, g{group_size}"
 
 
 def read_config(quant: dict) -> Scheme:

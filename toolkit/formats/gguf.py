@@ -22,6 +22,11 @@ reordered per head, row ``p·head_dim/2 + j`` of a head becoming row ``2j + p`` 
 quantized row's blocks move with it unchanged.
 
 GGUF shapes list the fastest dimension first: a [N, K] weight is ``[K, N]`` in the file (gguf-py reverses them).
+Byte layouts and sources: docs/formats.md §5.
+
+As a member of ``toolkit.formats.FORMATS`` this format is one file (``CHECKPOINT`` False), written from a
+checkpoint's codes: by ``quantize --gguf`` from the weights in hand, by ``convert --format gguf`` from a checkpoint
+on disk; ``FileTensors`` gathers its tensors either way.
 """
 
 from __future__ import annotations
@@ -33,14 +38,33 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from toolkit.formats import gguf_blocks
 from toolkit.formats.checkpoint import OutputError, remove_leftovers, sibling
 from toolkit.formats.gguf_blocks import BLOCK_SIZE
-from toolkit.formats.scheme import FormatError
+from toolkit.formats.scheme import FormatError, Scheme
+from toolkit.quant.configs import WeightQuantConfig
+from toolkit.quant.kv_cache import SCALE_NAMES as KV_SCALE_NAMES
+from toolkit.quant.primitives import QuantizedWeight, default_g_idx
 
 NAME = "gguf"
+CHECKPOINT = False  # one file written from a checkpoint's codes, not a checkpoint directory
+TRITON_KERNEL = None  # compound runs the checkpoint the file was written from; llama.cpp runs the blocks
 ARCH = "llama"  # the one GGUF architecture written
 EMBEDDING_TYPE = "Q8_0"  # token embeddings (and an untied output), whatever the linears' type
 FLOAT_TYPES = ("F16", "F32")  # float exports: every 2-D weight in this type, norms always F32
+
+
+def block_type(config: WeightQuantConfig) -> str:
+    """The GGUF block type of ``config``'s grid (``gguf_blocks.block_type``); FormatError naming the reason and the
+    flag to change when GGUF blocks cannot hold it exactly."""
+    dynamic = config.act_order and not config.static_groups and config.group_size != -1
+    return gguf_blocks.block_type(config.bits, config.sym, config.group_size, dynamic)
+
+
+def vllm_kernel(scheme: Scheme | None, quant: dict) -> tuple[str, str]:
+    """(vLLM method → kernel, why): vLLM 0.32 has no GGUF loader (no ``quantization/gguf.py``)."""
+    return "refused", "vLLM 0.32 has no GGUF loader; llama.cpp serves this file (llama-server -m FILE)"
+
 
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -226,3 +250,70 @@ def file_type(types: set[str]) -> int:
 def blocks_fit(K: int) -> bool:
     """Whether rows of ``K`` columns are whole GGUF blocks."""
     return K % BLOCK_SIZE == 0
+
+
+class FileTensors:
+    """The tensors of one GGUF file of a ``config`` model, added in any order (a quantized linear's codes as soon
+    as they exist, float tensors as the checkpoint holds them) and listed in the file's order: quantized linears by
+    module name, then float tensors by Hugging Face name. Rows are put in llama.cpp's rotary order as they come."""
+
+    def __init__(self, config):
+        self.config = config
+        self.linears: dict[str, tuple[str, str, torch.Tensor]] = {}  # module → (GGUF name, type, data)
+        self.floats: dict[str, tuple[str, str, torch.Tensor]] = {}  # tensor name → (GGUF name, type, data)
+
+    def add_linear(self, module: str, qweight: QuantizedWeight) -> None:
+        """``module``'s codes as GGUF blocks, unchanged; FormatError for a weight they cannot hold exactly."""
+        if qweight.bias is not None:
+            raise FormatError(f"{module} has a bias, which GGUF's {ARCH} architecture does not hold")
+        try:
+            type_name, blocks = gguf_blocks.pack(qweight)
+        except FormatError as err:
+            raise FormatError(f"{module} cannot be written as GGUF blocks exactly: {err}") from None
+        self.linears[module] = (tensor_name(module), type_name, self._rope_order(module, blocks.cpu()))
+
+    def add_floats(self, state: dict[str, torch.Tensor], outtype: str | None = None) -> None:
+        """The float weights in ``state``: norms F32; 2-D weights in ``outtype``, or (None) embeddings and an untied
+        output as ``EMBEDDING_TYPE``. A tied ``lm_head`` is not written (llama.cpp reads token_embd), nor are
+        KV-cache scales."""
+        tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        for name, tensor in state.items():
+            module, _, kind = name.rpartition(".")
+            if kind in KV_SCALE_NAMES:  # llama.cpp scales its quantized KV cache per block itself
+                continue
+            if kind != "weight" or (tied and module == "lm_head"):
+                if kind == "weight":
+                    continue
+                raise FormatError(f"{name} has no place in GGUF's {ARCH} architecture")
+            if tensor.dim() == 1:
+                type_name, data = "F32", tensor
+            elif outtype is not None:
+                type_name, data = outtype, tensor
+            else:
+                type_name, data = gguf_blocks.pack(_q8_0(tensor))
+            self.floats[name] = (tensor_name(module), type_name, self._rope_order(module, data.cpu()))
+
+    def types(self) -> set[str]:
+        """The block types of the quantized linears."""
+        return {type_name for _, type_name, _ in self.linears.values()}
+
+    def listed(self) -> list[tuple[str, str, torch.Tensor]]:
+        """(GGUF name, type, data) of every tensor, in the file's order."""
+        return [self.linears[m] for m in sorted(self.linears)] + [self.floats[n] for n in sorted(self.floats)]
+
+    def _rope_order(self, module: str, rows: torch.Tensor) -> torch.Tensor:
+        heads = rope_rows(module, self.config)
+        return rows if heads is None else to_rope_order(rows, heads)
+
+
+def _q8_0(weight: torch.Tensor) -> QuantizedWeight:
+    """Round-to-nearest symmetric 8-bit codes over blocks of 32 with fp16 scales (Q8_0's grid: d = amax/127)."""
+    N, K = weight.shape
+    if not blocks_fit(K):
+        raise FormatError(f"a width of {K} is not whole GGUF blocks of {BLOCK_SIZE}")
+    blocks = weight.float().reshape(N, K // BLOCK_SIZE, BLOCK_SIZE)
+    scale = (blocks.abs().amax(dim=-1) / 127).to(torch.float16).float()
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    codes = (torch.round(blocks / scale[..., None]).clamp(-128, 127) + 128).to(torch.uint8).reshape(N, K)
+    return QuantizedWeight(codes, scale, torch.full_like(scale, 128, dtype=torch.int32), default_g_idx(K, BLOCK_SIZE),
+                           8, BLOCK_SIZE, True)

@@ -34,9 +34,8 @@ from __future__ import annotations
 import torch
 
 from toolkit.formats.scheme import FormatError
+from toolkit.quant.primitives import GGUF_BLOCK_SIZE as BLOCK_SIZE  # weights per block, beside the GGUF scale rule
 from toolkit.quant.primitives import QuantizedWeight, default_g_idx
-
-BLOCK_SIZE = 32  # weights per block (QK4_0 = QK4_1 = QK8_0)
 
 # type name → bytes per block
 BLOCK_BYTES = {"Q4_0": 2 + BLOCK_SIZE // 2, "Q4_1": 2 + 2 + BLOCK_SIZE // 2, "Q8_0": 2 + BLOCK_SIZE}

@@ -11,7 +11,8 @@ Per quantized linear ``<module>`` with K = in_features, N = out_features, b bits
 | ``<module>.bias``   | fp16  | [N]          | only when the linear has one                                    |
 
 Dequant: ``W[n, k] = scales[g_idx[k], n] · (q[k, n] − (qzeros[g_idx[k], n] + 1))``. Sources: AutoGPTQ
-``qlinear_cuda_old.py`` (pack), vLLM ``quantization/gptq.py`` and ``gptq_marlin.py`` (load); see FORMATS.md §2.
+``qlinear_cuda_old.py`` (pack), vLLM ``quantization/auto_gptq.py`` (load; ``gptq.py`` and ``gptq_marlin.py``
+before 0.32); see docs/formats.md §2.
 
 Current vLLM loads GPTQ only symmetric (4 or 8 bits for Marlin; 2/3/4/8 otherwise) and refuses ``desc_act`` with
 groups; asymmetric v1 zeros also underflow when a true zero is 0. ``check_supported`` refuses those up front.
@@ -24,16 +25,19 @@ import sys
 
 import torch
 
+from toolkit.formats import vllm
 from toolkit.formats.packing import pack as pack_codes
 from toolkit.formats.packing import unpack as unpack_codes
-from toolkit.formats.scheme import FormatError, Scheme
+from toolkit.formats.scheme import FormatError, Scheme, TritonKernel
 from toolkit.quant.configs import ConfigError, WeightQuantConfig
 from toolkit.quant.primitives import QuantizedWeight
 
 NAME = "gptq"
 SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 OPTIONAL_SUFFIXES = ()
+CHECKPOINT = True  # a safetensors checkpoint directory with a quantization_config
 SUPPORTED_BITS = (2, 3, 4, 8)
+TRITON_KERNEL = TritonKernel("w4a16_gptq", "gptq_w4a16", {s: s for s in SUFFIXES})  # v1 zeros: all load.py reads
 
 
 def check_supported(config: WeightQuantConfig) -> None:
@@ -118,6 +122,26 @@ def quantization_config(config: WeightQuantConfig) -> dict:
         **({"dynamic": {f"-:(.*\\.)?{re.escape(name)}$": {} for name in skipped}}
            if (skipped := [n for n in config.skip if n != "lm_head"]) else {}),
     }
+
+
+def vllm_kernel(scheme: Scheme, quant: dict) -> tuple[str, str]:
+    """(vLLM method → kernel, why) for a GPTQ checkpoint on a CUDA GPU (vLLM 0.32, docs/formats.md §6); ``quant`` is
+    the raw config, whose missing keys vLLM refuses."""
+    bits, group_size = scheme.bits, scheme.group_size
+    missing = [k for k in ("bits", "group_size", "sym", "desc_act") if k not in quant]
+    if missing:
+        return "refused", (f"keys {missing} missing: vLLM 0.32 requires them (older releases fall back to the "
+                           "fp16-only ExLlama path, docs/formats.md §6)")
+    if not scheme.sym:
+        return "refused", "vLLM 0.32 loads GPTQ only symmetric ('Unsupported quantization config: sym=False')"
+    if bits not in (4, 8):
+        return "refused", f"vLLM 0.32 GPTQ type map is 4- and 8-bit symmetric; this has {bits}"
+    if scheme.desc_act and group_size != -1:
+        return "refused", "desc_act with groups is no longer supported; re-quantize with static groups"
+    if not vllm.marlin_group(group_size):
+        return "gptq_marlin → ExLlama/Triton fallback", vllm.not_marlin(group_size)
+    return f"gptq_marlin → {vllm.fast_kernel(group_size)}", \
+        f"GPTQ {'uint4b8' if bits == 4 else 'uint8b128'} (sym {bits}-bit), g{group_size}, every key present"
 
 
 def read_config(quant: dict) -> Scheme:

@@ -26,3 +26,15 @@ class Scheme:
     zero_point: bool
     desc_act: bool
     required: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TritonKernel:
+    """The W4A16 Triton kernel that multiplies by one layout's packed tensors: ``function`` of module
+    ``toolkit.kernels.<module>``, called as ``function(x, group_size=g, **{argument: tensor})`` with each argument
+    taken from the layout's tensor ``arguments[argument]`` (None where a linear has no such tensor). Named, not
+    imported: declaring it imports no Triton."""
+
+    module: str
+    function: str
+    arguments: dict[str, str]  # the kernel's keyword → the layout's tensor suffix

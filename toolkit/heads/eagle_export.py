@@ -1,4 +1,4 @@
-"""EAGLE heads on disk, in the layouts vLLM and SGLang both read (reference: FORMATS.md §8, §9, §11), every tensor
+"""EAGLE heads on disk, in the layouts vLLM and SGLang both read (reference: docs/formats.md §8.2), every tensor
 checked.
 
 Hidden size H (draft = target), intermediate size I, heads n_h / n_kv of width hd, target vocabulary V, draft
@@ -17,7 +17,7 @@ vocabulary V_d, aux layers n; one file, ``model.safetensors``; float tensors in 
 | | ``lm_head.weight`` | [V_d, H] |
 | | ``d2t`` int64 / ``t2d`` bool (only when V_d < V) | [V_d] / [V] |
 
-What each engine reads (vLLM 0.32 source; SGLang per FORMATS.md and ``sgl-project/sglang``
+What each engine reads (vLLM 0.32 source; SGLang per ``sgl-project/sglang``
 ``python/sglang/srt/models/llama_eagle{,3}.py``):
 
 * EAGLE-1 ``architectures: ["LlamaForCausalLMEagle", "LlamaForCausalLM"]``. SGLang requires
@@ -27,7 +27,7 @@ What each engine reads (vLLM 0.32 source; SGLang per FORMATS.md and ``sgl-projec
   has no bias and its loader drops unexpected ``.bias`` tensors (``AutoWeightsLoader.load_weights``); SGLang's ``fc``
   always has one and does not report a missing key, so ``fc.bias`` is written as explicit zeros and a loaded non-zero
   bias is refused. Neither applies a final norm; logits are the target's ``lm_head`` of the layer output.
-* ``bias: false`` for both kinds, whatever FORMATS.md §8 says of the EAGLE repository's fc-bias key: vLLM's
+* ``bias: false`` for both kinds, whatever a config's bias key meant for ``fc`` elsewhere: vLLM's
   ``LlamaDecoderLayer`` (``models/llama.py``) reads ``config.bias`` as the *attention* bias, so ``bias: true`` gives
   the draft q/k/v/o biases that no checkpoint tensor fills (measured: EAGLE-1 accepted 0 of 756 draft tokens).
 * EAGLE-3 ``architectures: ["LlamaForCausalLMEagle3"]`` (registered as such in vLLM; required by SGLang).
@@ -42,7 +42,7 @@ What each engine reads (vLLM 0.32 source; SGLang per FORMATS.md and ``sgl-projec
   SGLang's EAGLE-3 ``fc`` is ``Linear(3·H, H)`` whatever the config says, so heads with other than 3 aux layers are
   vLLM-only (``serving_flags`` then gives no SGLang line).
 
-Engines skip missing or unexpected weights silently in several of these cases (FORMATS.md §12: 9-14), so the exporter
+Engines skip missing or unexpected weights silently in several of these cases (docs/formats.md §8.3), so the exporter
 and the loader compare every name, shape and dtype with ``expected_eagle_tensors`` and check that ``d2t``/``t2d``
 describe one vocabulary. ``compound.json`` records the full ``EagleConfig`` (``load_eagle`` rebuilds it exactly), the
 aux layers in all three numberings, the target and the file hashes.
@@ -322,7 +322,7 @@ def config_from_json(raw: dict, directory: Path) -> EagleConfig:
 
 def serving_flags(directory_or_config: Path | str | EagleConfig, draft_path: str, k: int,
                   tree: TreeShape | None = None) -> dict[str, str]:
-    """How to serve the head as a chain of ``k`` draft tokens (FORMATS.md §13): ``vllm_speculative_config`` (the
+    """How to serve the head as a chain of ``k`` draft tokens (docs/formats.md §6): ``vllm_speculative_config`` (the
     JSON), ``vllm`` (the ``--speculative-config`` flag) and, when SGLang can load the head, ``sglang`` (its flags;
     ``--speculative-num-draft-tokens`` counts the root, so k + 1); given a ``tree``, also ``sglang_tree``, SGLang's
     flags for that EAGLE-2 tree."""

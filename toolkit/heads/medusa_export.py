@@ -1,4 +1,4 @@
-"""Medusa heads on disk, in the two layouts engines read (reference: FORMATS.md §7), with every tensor checked.
+"""Medusa heads on disk, in the two layouts engines read (reference: docs/formats.md §8.1), with every tensor checked.
 
 Head k (0-based) of K, residual block l of L, hidden size H, vocabulary V; every tensor in the export dtype:
 

@@ -98,12 +98,12 @@ class WeightQuantConfig:
                 self.check_width(name, in_features)
             return self, None
         if self.gguf:
-            from toolkit.formats.gguf_blocks import BLOCK_SIZE
+            from toolkit.quant.primitives import GGUF_BLOCK_SIZE
 
-            fitted = dataclasses.replace(self, group_size=BLOCK_SIZE)
+            fitted = dataclasses.replace(self, group_size=GGUF_BLOCK_SIZE)
             for name, in_features in widths.items():
                 fitted.check_width(name, in_features)
-            return fitted, f"auto: GGUF blocks hold {BLOCK_SIZE} weights (--gguf)"
+            return fitted, f"auto: GGUF blocks hold {GGUF_BLOCK_SIZE} weights (--gguf)"
         distinct = sorted(set(widths.values()))
         for size in STANDARD_GROUP_SIZES:
             if all(k % size == 0 for k in distinct):

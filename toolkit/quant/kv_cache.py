@@ -5,7 +5,7 @@ Objective: no cached key or value saturates. ``scale = amax / qmax``, with ``ama
 the 8-bit type: 448 for FP8 E4M3, 127 for symmetric INT8. Dequant ``x ≈ q · scale`` (a multiplier, as vLLM and
 compressed-tensors define ``k_scale``); an all-zero tensor gets scale 1 (any scale reproduces it).
 
-Written per decoder layer ``i`` (FORMATS.md §5; names as llm-compressor writes them, remapped by vLLM's
+Written per decoder layer ``i`` (docs/formats.md §7; names as llm-compressor writes them, remapped by vLLM's
 ``maybe_remap_kv_scale_name`` / ``get_cache_scale_mapper`` to ``self_attn.attn.k_scale``):
 
 | tensor                               | dtype       | shape                               | content          |

@@ -51,6 +51,7 @@ class ScaleRule:
 
 GPTQ_RULE = ScaleRule()  # the GPTQ reference grid, every safetensors format's default
 GGUF_RULE = ScaleRule(signed_max=True, dtype=torch.float16)  # llama.cpp's Q4_0 rule, fp16 scales as its blocks store
+GGUF_BLOCK_SIZE = 32  # weights per GGUF block (llama.cpp's QK4_0 = QK4_1 = QK8_0): the group size of a GGUF grid
 
 
 def qparams_from_range(

@@ -28,10 +28,10 @@ cached results and cost nothing, so tightening a gate never reruns a step.
 """
 from __future__ import annotations
 
-from toolkit.recipes.gates import GateError, GateResult, check_gates
+from toolkit.recipes.gates import GateResult, check_gates
 from toolkit.recipes.loader import load_recipe
 from toolkit.recipes.plan import step_fingerprints
-from toolkit.recipes.run import RunSummary, StepSummary, run_recipe
+from toolkit.recipes.run import GateError, RunSummary, StepSummary, run_recipe
 from toolkit.recipes.schema import Recipe, RecipeError
 
 __all__ = ["GateError", "GateResult", "Recipe", "RecipeError", "RunSummary", "StepSummary", "check_gates", "load_recipe",

@@ -3,20 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from toolkit.recipes.schema import GatesSection
-
-if TYPE_CHECKING:
-    from toolkit.recipes.run import RunSummary
-
-
-class GateError(RuntimeError):
-    """One or more gates failed; ``summary`` holds every step and gate, the message names the failed gates."""
-
-    def __init__(self, summary: RunSummary):
-        self.summary = summary
-        super().__init__("; ".join(str(g) for g in summary.gates if not g.passed))
 
 
 @dataclass(frozen=True)

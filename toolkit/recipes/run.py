@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from toolkit.formats.checkpoint import write_text_atomic
-from toolkit.recipes.gates import GateError, GateResult, check_gates
+from toolkit.recipes.gates import GateResult, check_gates
 from toolkit.recipes.plan import Step, plan, step_fingerprints
 from toolkit.recipes.records import cached, record_path, store
 from toolkit.recipes.schema import Recipe
@@ -53,6 +53,14 @@ class RunSummary:
         return {"recipe": self.recipe, "output": str(self.output), "passed": self.passed, "dry_run": self.dry_run,
                 "steps": [asdict(s) for s in self.steps],
                 "gates": [asdict(g) | {"text": str(g)} for g in self.gates]}
+
+
+class GateError(RuntimeError):
+    """One or more gates failed; ``summary`` holds every step and gate, the message names the failed gates."""
+
+    def __init__(self, summary: RunSummary):
+        self.summary = summary
+        super().__init__("; ".join(str(g) for g in summary.gates if not g.passed))
 
 
 def run_recipe(recipe: Recipe, *, resume: bool = True, dry_run: bool = False, api=None, console,

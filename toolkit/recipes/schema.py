@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.formats import FORMATS, choose_format
+from toolkit.formats import resolve
 from toolkit.options import option_fields
 from toolkit.quant.configs import DEFAULT_METHOD, METHODS, ConfigError, WeightQuantConfig, make_config
 from toolkit.quantize import CalibrationSpec, QuantizeSettings
@@ -61,11 +61,11 @@ class QuantizeSection:
             config = make_config(method, **options)
         except ConfigError as err:
             raise SettingError(next((k for k in options if k in str(err)), ""), str(err)) from None
-        fmt = choose_format(config) if settings.format == "auto" else settings.format
+        layout, _ = resolve(settings.format, config)
         try:
-            FORMATS[fmt].check_supported(config)
+            layout.check_supported(config)
         except ConfigError as err:
-            raise SettingError("format", f"{fmt}: {err}") from None
+            raise SettingError("format", f"{layout.NAME}: {err}") from None
         return cls(config, settings)
 
 

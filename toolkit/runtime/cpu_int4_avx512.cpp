@@ -1,5 +1,5 @@
 // compound's W4A16 matmul for x86 CPUs with AVX512-BF16: y = x · Ŵᵀ, x rounded to bf16, weights exact, fp32 sums.
-// toolkit/runtime/cpu_int4.py packs the weights (``_pack_avx512``) and documents the layout; cpu_int4_native.py
+// toolkit/runtime/cpu_int4.py packs the weights (``_pack_avx512``) and documents the layout; native.py
 // builds this file. Per block of 16 output columns the codes stream once, front to back, from one contiguous run.
 //
 // packed uint8 [NB, K/8, 64]: chunk c of block b is 32 little-endian 16-bit words; word 2n+i holds in its nibble s

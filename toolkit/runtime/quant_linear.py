@@ -13,7 +13,7 @@ AWQ ``qweight``/``qzeros``/``scales``, compressed-tensors ``weight_packed``/``we
 | ``cpu-int4``  | the CPU int4 kernel (``toolkit.runtime.cpu_int4``: compound's     | CPU; 4-bit, group a multiple of |
 |               | AVX512-BF16 or AVX2-FMA one, else torch's op) for                 |                                 |
 |               | x of ≤ ``CPU_INT4_MAX_ROWS`` rows, the reference above            | 32                              |
-| ``triton``    | the layout's W4A16 Triton kernel (``toolkit.kernels``)            | CUDA; CPU under TRITON_INTERPRET=1 (set by the caller before Triton is imported) |
+| ``triton``    | the layout's W4A16 Triton kernel (its ``TRITON_KERNEL``)          | CUDA; CPU under TRITON_INTERPRET=1 (set by the caller before Triton is imported) |
 | ``auto``      | ``triton`` for CUDA x, ``cpu-int4`` for CPU x, chosen per call;   | anything                        |
 |               | the reference for a linear the chosen one cannot run              |                                 |
 
@@ -39,6 +39,7 @@ verification (M ≤ a few dozen) run the int4 op.
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 
 import torch
@@ -129,7 +130,7 @@ class QuantLinear(nn.Module):
             W = self.dequantized_weight().to(x.dtype)
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return nn.functional.linear(x, W, bias)
-        y = self._cpu_int4(x) if path == "cpu-int4" else _TRITON[self.layout.NAME](self, x)
+        y = self._cpu_int4(x) if path == "cpu-int4" else self._triton(x)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def takes_cpu_int4(self) -> bool:
@@ -154,6 +155,15 @@ class QuantLinear(nn.Module):
 
         self.prepare()
         return int4_mm_cpu(x, self._int4)
+
+    def _triton(self, x: torch.Tensor) -> torch.Tensor:
+        """The layout's own Triton kernel (``TRITON_KERNEL``), imported at call time: importing this module (or the
+        loader) never imports Triton."""
+        kernel = self.layout.TRITON_KERNEL
+        function = getattr(importlib.import_module(f"toolkit.kernels.{kernel.module}"), kernel.function)
+        packed = self.packed()
+        return function(x, group_size=self.group_size,
+                        **{argument: packed.get(suffix) for argument, suffix in kernel.arguments.items()})
 
     def extra_repr(self) -> str:
         return (f"layout={self.layout.NAME}, in_features={self.in_features}, out_features={self.out_features}, "
@@ -226,29 +236,6 @@ class SharedInputLinears:
         if any(b is not None for b in biases):
             self._bias = torch.cat([b if b is not None else torch.zeros(m.out_features)
                                     for b, m in zip(biases, self.linears)])
-
-
-def _triton_gptq(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-    from toolkit.kernels.w4a16_gptq import gptq_w4a16
-
-    return gptq_w4a16(x, m.qweight, m.qzeros, m.scales, m.g_idx, m.group_size)  # v1 zeros: all load.py reads
-
-
-def _triton_awq(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-    from toolkit.kernels.w4a16_awq import awq_w4a16
-
-    return awq_w4a16(x, m.qweight, m.qzeros, m.scales, m.group_size)
-
-
-def _triton_ct(m: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-    from toolkit.kernels.w4a16_ct import ct_w4a16
-
-    return ct_w4a16(x, m.weight_packed, m.weight_scale, m.group_size, getattr(m, "weight_zero_point", None),
-                    getattr(m, "weight_g_idx", None))
-
-
-# Imported at call time, so importing this module (or the loader) never imports Triton.
-_TRITON = {"gptq": _triton_gptq, "awq": _triton_awq, "compressed-tensors": _triton_ct}
 
 
 def set_backend(model: nn.Module, backend: str) -> int:
