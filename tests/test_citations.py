@@ -28,9 +28,9 @@ HEADING = re.compile(r"^#{1,6} (\d+(?:\.\d+)*)\.? ", re.MULTILINE)
 
 
 def repository_files() -> list[Path]:
-    """The text files whose citations are checked: every file of the source folders but this one (whose examples
-    cite what does not exist on purpose)."""
-    files = []
+    """The text files whose citations are checked: the root's Markdown and every file of the source folders but this
+    one (whose examples cite what does not exist on purpose)."""
+    files = sorted(ROOT.glob("*.md"))
     for folder in FOLDERS:
         files += sorted(p for p in (ROOT / folder).rglob("*") if p.suffix in SUFFIXES and p.is_file()
                         and "__pycache__" not in p.parts and p != Path(__file__).resolve())

@@ -81,16 +81,16 @@ def test_a_load_after_a_killed_build_does_not_wait(tmp_path, monkeypatch):
 
 
 def test_the_build_folder_is_keyed_by_the_source_and_flags(tmp_path, monkeypatch):
-    source = tmp_path / "step.cpp"
+    source = tmp_path / "cpu_decode_step.cpp"
     monkeypatch.setattr(native.NativeBuild, "path", property(lambda build: source))
-    build = native.NativeBuild("step.cpp", ("avx2",), ("-mavx2",))
+    build = native.NativeBuild("cpu_decode_step.cpp", ("avx2",), ("-mavx2",))
     source.write_text("int f() { return 1; }")
     first = build.module_name
-    assert first.startswith("compound_step_") and first.isidentifier()
-    assert native.NativeBuild("step.cpp", ("avx2",), ("-mavx2",)).module_name == first  # same source, same folder
+    assert first.startswith("compound_cpu_decode_step_") and first.isidentifier()
+    assert native.NativeBuild("cpu_decode_step.cpp", ("avx2",), ("-mavx2",)).module_name == first  # same source, same folder
     source.write_text("int f() { return 2; }")  # another checkout's source
     assert build.module_name != first
-    assert native.NativeBuild("step.cpp", ("avx2",), ("-mavx2", "-ffast-math")).module_name != build.module_name
+    assert native.NativeBuild("cpu_decode_step.cpp", ("avx2",), ("-mavx2", "-ffast-math")).module_name != build.module_name
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert native.build_directory(build) == tmp_path / build.module_name
 
