@@ -203,6 +203,9 @@ def install(report: Report) -> bool:
     status, _, output = _run([*pip, "--no-build-isolation", "-e", str(ROOT)], 180)
     report.environment["pip install --no-deps -e ."] = status if status == "passed" else f"{status}: {output[-500:]}"
     os.environ["PATH"] = os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")])  # `compound`
+    if status != "passed":
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(linked_package()), os.environ.get("PYTHONPATH")]))
+        report.environment["import path"] = "toolkit linked from the checkout (no `compound` command for torchrun)"
     probe = subprocess.run([sys.executable, "-c", "import toolkit.kernels.reference, toolkit.cli"], cwd=ROOT / "tests",
                            capture_output=True, text=True)
     if probe.returncode:
@@ -210,13 +213,31 @@ def install(report: Report) -> bool:
     return probe.returncode == 0
 
 
-def describe_machine(report: Report) -> None:
-    import torch
+DESCRIBE = ("import torch; p = torch.cuda.get_device_properties(0); "
+            "print(f'{p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs; torch {torch.__version__} "
+            "(CUDA {torch.version.cuda})')")
 
-    props = torch.cuda.get_device_properties(0)
+
+def linked_package() -> Path:
+    """Where pip cannot install compound: a folder holding ``toolkit`` as pyproject's package-dir lays it out
+    (``kernels/`` and ``calibration/`` inside it), built of links to the checkout, for PYTHONPATH."""
+    folder = Path(tempfile.mkdtemp(prefix="compound-linked-"))
+    package = folder / "toolkit"
+    package.mkdir()
+    for entry in (ROOT / "toolkit").iterdir():
+        (package / entry.name).symlink_to(entry)
+    for name in ("kernels", "calibration"):
+        if not (package / name).exists():
+            (package / name).symlink_to(ROOT / name)
+    return folder
+
+
+def describe_machine(report: Report) -> None:
+    """The GPU and the versions that matter, asked in a child process: a CUDA context held here would take GPU
+    memory from every check."""
+    status, _, output = _run([sys.executable, "-c", DESCRIBE], 60)
     report.environment.update({
-        "device": f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs",
-        "torch": f"{torch.__version__} (CUDA {torch.version.cuda})",
+        "device": output.strip().splitlines()[-1] if status == "passed" and output.strip() else status,
         "triton": _version("triton"), "transformers": _version("transformers"), "python": sys.version.split()[0],
         "compound dependencies missing": ", ".join(missing_dependencies()) or "none",
     })

@@ -72,3 +72,28 @@ def test_without_cuda_it_says_so_and_exits_0(tmp_path):
     run = _bash(env=os.environ | {"OUT": str(tmp_path / "report")})
     assert run.returncode == 0 and "no CUDA device" in run.stdout
     assert not (tmp_path / "report").exists()
+
+
+def test_each_check_runs_alone_and_the_report_is_always_written(tmp_path, monkeypatch):
+    """A check that fails and one that hangs past its timeout cost their own time; the next check still runs, and
+    the report holds every status and the numbers the tests recorded."""
+    driver = _driver()
+    tests = tmp_path / "checks"
+    tests.mkdir()
+    (tests / "test_fake.py").write_text(
+        "import sys, time\nsys.path.insert(0, %r)\nfrom gpu_models import record\n\n"
+        "def test_records():\n    record('fake', {'value': 1.5, 'rows': {'a': {'x': 1}, 'b': {'x': 2}}})\n\n"
+        "def test_fails():\n    assert False\n\n"
+        "def test_hangs():\n    time.sleep(60)\n" % str(ROOT / "tests" / "gpu"))
+    node = str(tests / "test_fake.py")
+    monkeypatch.setattr(driver, "CHECKS", (
+        driver.Check("hangs", (f"{node}::test_hangs",), 5, "sleeps past its timeout"),
+        driver.Check("fails", (f"{node}::test_fails",), 60, "fails"),
+        driver.Check("records", (f"{node}::test_records",), 60, "records numbers"),
+    ))
+    monkeypatch.setattr(driver, "install", lambda report: True)  # nothing is installed by a test
+    assert driver.run_checks(tmp_path / "out") == 1
+    report = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert "| hangs | timed out after 5 s |" in report and "| fails | failed (exit 1) |" in report
+    assert "| records | passed |" in report and "- value: 1.5" in report and "| b | 2 |" in report
+    assert {"gpu_check.md", "gpu_check.json", "gpu_check.log"} == {p.name for p in (tmp_path / "out").iterdir()}
