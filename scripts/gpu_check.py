@@ -1,6 +1,6 @@
 """compound's checks on one CUDA GPU, within a fixed budget, as one markdown report (run by ``scripts/gpu_check.sh``).
 
-    bash scripts/gpu_check.sh            # on a GPU machine: install compound beside the image's packages, run the checks
+    bash scripts/gpu_check.sh            # on a GPU machine: install compound beside the image's packages, check
     bash scripts/gpu_check.sh --dry-run  # anywhere: the plan, what travels to a device machine, and whether it fits
 
 Each check is a group of ``@pytest.mark.gpu`` tests (``tests/gpu``) run in a pytest process of its own with its own
@@ -214,8 +214,8 @@ def install(report: Report) -> bool:
 
 
 DESCRIBE = ("import torch; p = torch.cuda.get_device_properties(0); "
-            "print(f'{p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs; torch {torch.__version__} "
-            "(CUDA {torch.version.cuda})')")
+            "print(f'{p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs; "
+            "torch {torch.__version__} (CUDA {torch.version.cuda})')")
 
 
 def linked_package() -> Path:

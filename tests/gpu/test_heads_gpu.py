@@ -35,7 +35,8 @@ def test_eagle3_trains_on_cuda(tmp_path, monkeypatch):
     manifest = json.loads((tmp_path / "heads" / "compound.json").read_text())
     step_seconds = sum(line["tokens"] / line["tokens_per_s"] for line in lines if line["tokens_per_s"])
     record("heads", {"target": "random Llama, hidden 256, 4 layers", "steps": STEPS,
-                     "steps_per_s": round(STEPS / step_seconds, 2), "trained_tokens_per_s": round(lines[-1]["tokens_per_s"]),
+                     "steps_per_s": round(STEPS / step_seconds, 2),
+                     "trained_tokens_per_s": round(lines[-1]["tokens_per_s"]),
                      "training_phase_s": round(timings["training"], 1), "total_s": round(timings["total"], 1),
                      **gpu_memory(),
                      "best_metrics": manifest["training"]["best_metrics"]})
