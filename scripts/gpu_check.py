@@ -54,15 +54,15 @@ CHECKS = (  # in order of what matters most when the budget runs short
           "gptq / awq / compressed-tensors Triton kernels against the torch reference, M = 1..64, g 32/64/128"),
     Check("bandwidth", ("tests/gpu/test_kernels_gpu.py::test_decode_product_reads_at_copy_bandwidth",), 60,
           "M = 1 product on 4096x14336 and 8192x28672 against a device-to-device copy of the same bytes"),
-    Check("torchrun", ("tests/gpu/test_distributed_gpu.py",), 60,
+    Check("torchrun", ("tests/gpu/test_distributed_gpu.py",), 90,
           "torchrun --nproc_per_node=1: NCCL reductions, compound quantize --device cuda"),
     Check("heads", ("tests/gpu/test_heads_gpu.py",), 90, "train-heads --head eagle3, 30 steps on CUDA"),
-    Check("decode", ("tests/gpu/test_decode_gpu.py",), 120,
+    Check("quantize-1b", ("tests/gpu/test_quantize_gpu.py::test_a_1b_llama_quantizes_on_cuda",), 180,
+          "GPTQ and AWQ W4 g128 of a random 1B Llama on CUDA: wall time, peak GPU memory"),
+    Check("decode", ("tests/gpu/test_decode_gpu.py",), 150,
           "compound decode on CUDA (Triton) against the dequantized reference, tokens/s"),
     Check("agreement", ("tests/gpu/test_quantize_gpu.py::test_cuda_matches_the_cpu",), 150,
           "GPTQ and AWQ on CUDA against the same run on the CPU (1B widths, 2 layers)"),
-    Check("quantize-1b", ("tests/gpu/test_quantize_gpu.py::test_a_1b_llama_quantizes_on_cuda",), 180,
-          "GPTQ and AWQ W4 g128 of a random 1B Llama on CUDA: wall time, peak GPU memory"),
 )
 
 

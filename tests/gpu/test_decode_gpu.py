@@ -2,6 +2,8 @@
 with the greedy tokens of the dequantized reference (the same model with every ``QuantLinear`` on its ``reference``
 backend), and its tokens/s is recorded; the command itself runs with ``--device cuda`` and says the kernels ran."""
 
+import json
+
 import pytest
 import torch
 from gpu_models import GPU_REASON, LLAMA_1B, random_llama, record, work_dir
@@ -16,10 +18,13 @@ PROMPT = "Name three colours and say why the sky is blue."
 
 
 def _checkpoint(tmp_path):
+    """The 1B Llama's GPTQ checkpoint that the quantize check left in the shared work folder, else an RTN one."""
     from toolkit.quant.configs import RTNConfig
     from toolkit.quantize import QuantizeSettings, quantize
 
     work = work_dir(tmp_path)
+    if (work / "llama-1b-gptq-w4g128" / "compound.json").is_file():
+        return work / "llama-1b-gptq-w4g128"
     output = work / "llama-1b-rtn-w4g128"
     if not (output / "compound.json").is_file():
         model = random_llama(work / "llama-1b", LLAMA_1B)
@@ -56,7 +61,8 @@ def test_triton_decode_equals_the_dequantized_reference(tmp_path):
         m.backend = "reference"
     reference_tokens, reference_stats = _greedy(decoder, ids, tokenizer.eos_token_id)
     same = int((triton_tokens[: len(reference_tokens)] == reference_tokens[: len(triton_tokens)]).cumprod(0).sum())
-    record("decode", {"model": "random Llama 1.2B, RTN W4 g128 (gptq layout), fp32 activations",
+    layout = json.loads((checkpoint / "config.json").read_text())["quantization_config"]["quant_method"]
+    record("decode", {"model": f"random Llama 1.2B, {checkpoint.name} ({layout} layout), fp32 activations",
                       "new_tokens": triton_stats.new_tokens, "triton_tokens_per_s": round(triton_stats.tokens_per_s, 1),
                       "reference_tokens_per_s": round(reference_stats.tokens_per_s, 1),
                       "tokens_equal": bool(torch.equal(triton_tokens, reference_tokens)),
