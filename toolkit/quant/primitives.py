@@ -145,7 +145,7 @@ class QuantizedWeight:
             return self
         bias = None if self.bias is None else self.bias.cpu()
         return replace(self, codes=self.codes.cpu(), scale=self.scale.cpu(), zero=self.zero.cpu(),
-                                   g_idx=self.g_idx.cpu(), bias=bias)
+                       g_idx=self.g_idx.cpu(), bias=bias)
 
 
 def quantize_rtn(
