@@ -125,6 +125,8 @@ BASE = "model: smollm2-135m\nquantize:\n  method: rtn\n  bits: 4\n  group_size: 
     (BASE + "  sym: false\n  format: gptq\n", 7, "quantize.format: gptq: "),
     (BASE + "  act_order: true\n", 6, "quantize.act_order: act_order is a GPTQ option"),
     (BASE + "heads:\n  head: hydra\n", 7, "heads.head: "),
+    (BASE + "  device: tpu\n", 6, "quantize.device: --device must be one of auto, cpu, cuda"),
+    (BASE + "heads:\n  device: gpu\n", 7, "heads.device: 'gpu' is not supported; must be one of auto, cpu, cuda"),
     (BASE + "heads:\n  head: eagle3\n  aux_layers: [2, x]\n", 8, "heads.aux_layers: expected a list of integers"),
     (BASE + "heads:\n  batch_size: 6\n  micro_batch_size: 4\n", 7, "heads.batch_size: batch_size must be a multiple"),
     (BASE + "push:\n  private: true\n", 6, "push: repo_id is required"),
@@ -151,6 +153,21 @@ def test_defaults_and_yaml_floats(tmp_path):
     recipe = load_recipe(path)
     assert recipe.heads.parts["train"].lr == 0.001 and recipe.output == Path("out/mine") and recipe.source == path
     assert recipe.push.heads_repo(recipe.heads.head) == "me/model-medusa" and recipe.gates.lossless_required
+
+
+def test_the_device_is_a_key_outside_the_fingerprints(tmp_path):
+    """Where a step computes (``device``) is not what it computes: a run resumed on a GPU reuses the CPU's steps."""
+    from toolkit.recipes.plan import step_fingerprints
+
+    prints = []
+    for device in ("auto", "cpu"):
+        path = tmp_path / f"{device}.yaml"
+        path.write_text(BASE + f"  device: {device}\nheads:\n  device: {device}\n")
+        recipe = load_recipe(path)
+        assert recipe.quantize.settings.device == recipe.heads.device == device
+        assert recipe.heads.job("m", tmp_path / "h", tmp_path / "w").device == device
+        prints.append(step_fingerprints(dataclasses.replace(recipe, output=tmp_path / "out")))
+    assert prints[0] == prints[1]
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from toolkit.engine import distributed, memory
+from toolkit.engine import devices, distributed, memory
+from toolkit.engine.devices import device_option
 from toolkit.engine.loop import Progress, capture_layer_inputs, check_finite_weights, input_widths, quantize_layers
 from toolkit.engine.resume import LayerCheckpoints
 from toolkit.engine.shards import is_safetensors_dir
@@ -90,6 +91,7 @@ class QuantizeSettings:
                                        "--output) instead of in memory.")
     batch_size: int = option(8, "Calibration sequences run through a layer at once; fewer need less memory.")
     trust_remote_code: bool = option(False, "Allow model code from the checkpoint (off by default).")
+    device: str = device_option()
 
     def __post_init__(self):
         check_choices(self, ConfigError)
@@ -135,6 +137,8 @@ def quantize(
     per decoder layer plus one for the rest. No KV-cache scales in this mode yet.
     offload_activations: keep the calibration activations between layers on disk (next to ``output``).
     batch_size: calibration sequences run through a layer at once (memory for one batch's attention and MLP).
+    device: where each layer is calibrated and quantized (``toolkit.engine.devices``: ``auto`` is CUDA where present);
+    the model stays in host memory between its layers' turns, and the checkpoint is written from there.
 
     Under ``torchrun`` (data parallel; RTN and GPTQ): every rank builds the same calibration batch and runs the
     engine on its device over every world-th sequence of it; GPTQ's Hessians and the KV-cache absmax are reduced
@@ -170,7 +174,8 @@ def quantize(
     needs_tokens = config.needs_activations or bool(kv_cache)
     if needs_tokens:
         calibration.check_source()
-    rank, world = distributed.join()
+    device = devices.resolve(settings.device)
+    rank, world = distributed.join(device)
     if world > 1:
         _check_data_parallel(config, calibration, world)
     if rank == 0:
@@ -221,6 +226,7 @@ def quantize(
 
     def sink(name, qweight):
         if writes:
+            qweight = qweight.cpu()
             packed[name] = layout.pack(qweight, dtype)
             if gguf_file is not None:
                 gguf_file.tensors.add_linear(name, qweight)
@@ -229,8 +235,8 @@ def quantize(
         weight_tokens = tokens if config.needs_activations else None
         with scratch_directory(output) if offload_activations else contextlib.nullcontext() as offload_dir:
             return quantize_layers(model, config, driver_for(config), weight_tokens, sink, batch_size=batch_size,
-                                   device=distributed.rank_device() if world > 1 else "cpu", progress=progress,
-                                   source=source, offload_dir=offload_dir, routed=routed, checkpoints=checkpoints)
+                                   device=device, progress=progress, source=source, offload_dir=offload_dir,
+                                   routed=routed, checkpoints=checkpoints)
 
     quantization_config = layout.quantization_config(config)
 

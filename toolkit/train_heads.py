@@ -40,7 +40,8 @@ import torch
 from rich.console import Console
 
 from toolkit.decode import greedy_outputs
-from toolkit.engine import distributed
+from toolkit.engine import devices, distributed
+from toolkit.engine.devices import device_option
 from toolkit.evaluate import acceptance
 from toolkit.formats.checkpoint import write_text_atomic
 from toolkit.heads import reuse
@@ -60,7 +61,7 @@ from toolkit.heads.medusa_export import export_medusa, load_medusa
 from toolkit.heads.options import DataOptions, EagleOptions, MedusaOptions, SelectOptions
 from toolkit.heads.train import TrainConfig, train
 from toolkit.identity import target_identity, weights_sha256
-from toolkit.options import option
+from toolkit.options import check_choices, option
 from toolkit.runtime.load import load_model_or_checkpoint
 
 HEADS = ("medusa", *KINDS)
@@ -74,6 +75,7 @@ class HeadsJob:
     model: str
     output: Path
     head: str = option("medusa", "Head type: medusa | eagle (EAGLE-1/2) | eagle3.", choices=HEADS)
+    device: str = device_option()
     medusa: MedusaOptions = field(default_factory=MedusaOptions)
     eagle: EagleOptions = field(default_factory=EagleOptions)
     data: DataOptions = field(default_factory=DataOptions)
@@ -85,6 +87,7 @@ class HeadsJob:
     def __post_init__(self):
         if self.head not in HEADS:
             raise ValueError(f"--head {self.head!r} is not supported; choose one of {', '.join(HEADS)}")
+        check_choices(self)  # "--device must be one of auto, cpu, cuda, got ..."
 
     @staticmethod
     def parts() -> dict[str, type]:
@@ -197,7 +200,8 @@ def prepare(job: HeadsJob, console: Console, dry_run: bool = False):
         check_trainable(examples)
         show_example(console, tokenizer, examples[0])
         return examples, None, None
-    rank, world = distributed.join()
+    device = devices.resolve(job.device)
+    rank, world = distributed.join(device)
     if rank > 0:
         distributed.barrier()  # rank 0's examples first
     dtype = getattr(torch, options.dtype)
@@ -209,8 +213,7 @@ def prepare(job: HeadsJob, console: Console, dry_run: bool = False):
     else:
         _check_target_fits(job.model, dtype)
         model, tokenizer = load_model_or_checkpoint(job.model, dtype)
-        if not _is_quantized(model):  # compound's int4 linears stay on the device their loader chose
-            model.to(distributed.rank_device())
+        model.to(device)
     layers = job.hidden_layers(model.config.num_hidden_layers)
     cache = job.work / ("hidden" if layers == [-1] else
                         "hidden-" + "-".join("final" if i == -1 else str(i) for i in layers))
@@ -248,7 +251,8 @@ def train_heads(job: HeadsJob, console: Console, dry_run: bool = False) -> Heads
         raise FileExistsError(f"{job.output} already exists; pass --overwrite to replace it")
     check_job(job)
     started = time.perf_counter()
-    rank, world = distributed.join()
+    device = devices.resolve(job.device)
+    rank, world = distributed.join(device)
     job.train.check_world(world)
     examples, data, online_model = prepare(job, console if rank == 0 else Console(quiet=True), dry_run)
     tokens = sum(len(e.input_ids) for e in examples)
@@ -258,8 +262,10 @@ def train_heads(job: HeadsJob, console: Console, dry_run: bool = False) -> Heads
     prepared = time.perf_counter()
 
     target, tokenizer = load_model_or_checkpoint(job.model, torch.float32)
+    target.to(device)  # the heads are built beside it, and train and draft there
     torch.manual_seed(job.train.seed)
     heads, loss_fn, count_fn, measure = _head_for(job, target, examples, console if rank == 0 else None)
+    heads.to(device)  # the training loop trains a model where its parameters are
     prompts = acceptance.heldout_prompts(tokenizer, job.select.eval_prompts)
     greedy_cache: dict = {}
 
@@ -281,6 +287,7 @@ def train_heads(job: HeadsJob, console: Console, dry_run: bool = False) -> Heads
     if result.best_step is not None:
         best = torch.load(job.train_dir / "best.pt", weights_only=True)
         heads.load_state_dict(best["model"])
+    heads.cpu()  # the exporters write host tensors
     del online_model
     extra = {"training": {"examples": len(examples), "tokens": tokens, "trained_tokens": trained,
                           "self_distill": job.data.self_distill, "dataset": job.data.dataset, "steps": result.steps,
@@ -365,12 +372,6 @@ def _head_for(job: HeadsJob, target, examples, console: Console | None):
         return int((in_vocab[batch["input_ids"]] & batch["loss_mask"])[:, 2:].sum())
 
     return head, loss_fn, eagle3_count, measure
-
-
-def _is_quantized(model: torch.nn.Module) -> bool:
-    from toolkit.runtime.quant_linear import QuantLinear
-
-    return any(isinstance(module, QuantLinear) for module in model.modules())
 
 
 def _check_target_fits(spec: str, dtype: torch.dtype) -> None:

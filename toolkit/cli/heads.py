@@ -33,8 +33,8 @@ def train_heads(
     threads = start(ctx, options)
     try:
         parts = {name: flags.build(cls, options) for name, cls in HeadsJob.parts().items()}
-        job = HeadsJob(model=model, output=output, head=options["head"], **parts, work_dir=work_dir,
-                       overwrite=overwrite)
+        job = HeadsJob(model=model, output=output, head=options["head"], device=options["device"], **parts,
+                       work_dir=work_dir, overwrite=overwrite)
         result = run_train_heads(job, console, dry_run=dry_run)
     except (*user_errors(), ValueError) as err:
         fail(err)

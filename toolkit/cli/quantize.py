@@ -14,6 +14,7 @@ from toolkit.cli import flags
 from toolkit.cli.common import RichProgress, app, console, dir_size, fail, progress_bar, start, user_errors
 from toolkit.cli.render import fit
 from toolkit.decode.kv_cache import CACHE_DTYPES
+from toolkit.engine.devices import DeviceSettings
 from toolkit.engine.threads import ThreadSettings
 from toolkit.evaluate.perplexity import EVAL_WINDOWS
 from toolkit.formats import FORMATS, gguf
@@ -153,7 +154,7 @@ def convert(
 
 
 @app.command()
-@flags.derived(ThreadSettings)
+@flags.derived(ThreadSettings, DeviceSettings)
 def decode(
     ctx: typer.Context,
     model: str = typer.Option(..., help="A compound checkpoint directory (runs its packed weights), or any model spec (float)."),
@@ -171,6 +172,7 @@ def decode(
 
     from toolkit.calibration import chat_prompt_ids
     from toolkit.decode import DecodeError, Decoder, SamplingConfig, check_context, generate
+    from toolkit.engine.devices import resolve
     from toolkit.quant.kv_cache import int8_decode_scales
     from toolkit.runtime.load import load_model_or_checkpoint, read_manifest
 
@@ -178,7 +180,9 @@ def decode(
     started = time.perf_counter()
     try:
         sampling = SamplingConfig(temperature, seed=seed) if temperature > 0 else None
+        device = resolve(flags.build(DeviceSettings, options).device)
         loaded, tokenizer = load_model_or_checkpoint(model, torch.float32)
+        loaded.to(device)
         ids = chat_prompt_ids(tokenizer, prompt)
         check_context(loaded.config, len(ids), max_new_tokens)
         scales = int8_decode_scales(loaded, read_manifest(model)) if kv_cache == "int8-static" else None
@@ -210,12 +214,17 @@ def decode(
 
 
 def _kernels_line(model, decoder) -> str:
-    """What runs a decode step on the CPU: the int4 kernel (where the model has int4 linears) and the forward."""
+    """What runs a decode step on the CPU: the int4 kernel (where the model has int4 linears) and the forward; on a
+    GPU, whether the int4 linears run the Triton kernels."""
+    import torch
+
     from toolkit.runtime.cpu_int4 import default_kernel
     from toolkit.runtime.quant_linear import QuantLinear
 
     if decoder.device.type != "cpu":
-        return "none (not on the CPU)"
+        triton = any(isinstance(m, QuantLinear) and m.path(torch.empty(1, m.in_features, device=decoder.device)) ==
+                     "triton" for m in model.modules())
+        return f"none (on {decoder.device}{': int4 linears run the Triton kernels' if triton else ''})"
     forward = "C++ decode step" if decoder.native_step is not None else "torch forward"
     int4 = any(isinstance(m, QuantLinear) and m.takes_cpu_int4() for m in model.modules())
     return f"int4 {default_kernel()}, {forward}" if int4 else forward

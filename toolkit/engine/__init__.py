@@ -9,5 +9,6 @@
 | ``memory`` | the memory estimate of a run, and its refusal before any work |
 | ``heap`` | handing freed memory back to the OS after each layer |
 | ``distributed`` | the torchrun process group: join, reductions, barrier |
+| ``devices`` | where a verb computes (``--device auto``: CUDA where present, else the CPU) |
 | ``threads`` | how many threads torch computes on (``--threads auto`` or a count) |
 """

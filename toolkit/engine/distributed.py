@@ -1,5 +1,5 @@
-"""Data parallelism across the processes ``torchrun`` starts: the process group, each rank's device and the
-reductions that turn per-rank calibration statistics into the statistics of the whole batch.
+"""Data parallelism across the processes ``torchrun`` starts: the process group and the reductions that turn
+per-rank calibration statistics into the statistics of the whole batch (each rank's device: ``devices``).
 
 Nothing here schedules work: torchrun starts one process per device, ``torch.distributed`` (gloo on CPU, NCCL on
 GPUs) moves the tensors. Outside torchrun (``WORLD_SIZE`` unset or 1) every function is the one-process identity.
@@ -14,14 +14,18 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from toolkit.engine.devices import local_cuda
 
-def join(timeout: timedelta = timedelta(hours=12)) -> tuple[int, int]:
-    """(rank, world size): joins the process group under torchrun (once), else (0, 1). The long default timeout
-    lets one rank write a checkpoint or build data for hours while the others wait at a barrier."""
+
+def join(device: torch.device | None = None, timeout: timedelta = timedelta(hours=12)) -> tuple[int, int]:
+    """(rank, world size): joins the process group under torchrun (once), else (0, 1): NCCL when the ranks compute
+    on CUDA (``device``; None: wherever a GPU is present), gloo on the CPU. The long default timeout lets one rank
+    write a checkpoint or build data for hours while the others wait at a barrier."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return 0, 1
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
+        on_cuda = torch.cuda.is_available() if device is None else device.type == "cuda"
+        dist.init_process_group("nccl" if on_cuda else "gloo", timeout=timeout)
         atexit.register(_leave)
     return dist.get_rank(), dist.get_world_size()
 
@@ -38,13 +42,6 @@ def _leave() -> None:
         except RuntimeError:
             pass
     dist.destroy_process_group()
-
-
-def rank_device() -> torch.device:
-    """This rank's compute device: its own GPU (``LOCAL_RANK``) when there are GPUs, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
 
 
 def barrier() -> None:
@@ -74,7 +71,7 @@ def max_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
 def _all_reduce(tensor: torch.Tensor, op) -> None:
     """All-reduce in place; through this rank's GPU when the backend (NCCL) cannot reduce host tensors."""
     if dist.get_backend() == "nccl" and tensor.device.type != "cuda":
-        on_device = tensor.to(rank_device())
+        on_device = tensor.to(local_cuda())
         dist.all_reduce(on_device, op=op)
         tensor.copy_(on_device)
     else:

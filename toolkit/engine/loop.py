@@ -480,7 +480,7 @@ def capture_layer_inputs(
 ) -> LayerInputs:
     """Run the model up to its first decoder layer for each batch of ``tokens`` and keep what that layer receives
     (hidden states appended to ``store``, default a list). Only the modules outside the decoder layers (and the LM
-    head) move to ``device``: the layers may have no weights yet."""
+    head) move to ``device``, and back to the CPU afterwards: the layers may have no weights yet."""
     first = decoder_layers(model)[0]
     hidden, kwargs = ([] if store is None else store), []
 
@@ -490,7 +490,8 @@ def capture_layer_inputs(
         raise _Stop
 
     handle = first.register_forward_pre_hook(grab, with_kwargs=True)
-    for m in _outside_layers(model, arch_spec(model).layers.split(".")):
+    outside = list(_outside_layers(model, arch_spec(model).layers.split(".")))
+    for m in outside:
         m.to(device)
     try:
         with torch.no_grad():
@@ -501,6 +502,9 @@ def capture_layer_inputs(
                     pass
     finally:
         handle.remove()
+        if torch.device(device).type != "cpu":  # back beside the layers: KV calibration and the writer read them there
+            for m in outside:
+                m.to("cpu")
     _check_finite(hidden, -1)
     return LayerInputs(hidden, kwargs)
 

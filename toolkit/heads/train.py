@@ -49,6 +49,7 @@ from rich.progress import Progress, TextColumn
 from torch import nn
 
 from toolkit.engine import distributed
+from toolkit.engine.devices import local_cuda
 from toolkit.formats.checkpoint import atomic_directory, write_text_atomic
 from toolkit.options import option, option_fields
 
@@ -389,7 +390,7 @@ def _join_process_group(model: nn.Module) -> tuple[int, int, torch.device]:
     rank, world = distributed.join()
     device = next(model.parameters()).device
     if world > 1 and dist.get_backend() == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device = local_cuda()
         torch.cuda.set_device(device)
     return rank, world, device
 

@@ -21,7 +21,7 @@ Groups run along the input dimension: column k belongs to group ``g_idx[k]``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -139,6 +139,14 @@ class QuantizedWeight:
     def dequantize(self) -> torch.Tensor:
         """Float32 weight [N, K] this record stands for."""
         return dequantize(self.codes, self.scale, self.zero.float(), self.g_idx)
+
+    def cpu(self) -> QuantizedWeight:
+        """This record with every tensor in host memory (itself when they already are): what format writers take."""
+        if self.codes.device.type == "cpu":
+            return self
+        bias = None if self.bias is None else self.bias.cpu()
+        return replace(self, codes=self.codes.cpu(), scale=self.scale.cpu(), zero=self.zero.cpu(),
+                       g_idx=self.g_idx.cpu(), bias=bias)
 
 
 def quantize_rtn(

@@ -12,6 +12,8 @@ from toolkit.recipes import steps
 from toolkit.recipes.schema import Recipe
 from toolkit.version import __version__
 
+PLACEMENT = frozenset({"device"})  # settings that choose where a step computes, not what: out of its fingerprint
+
 
 @dataclass(frozen=True)
 class Step:
@@ -32,7 +34,7 @@ def plan(recipe: Recipe) -> list[Step]:
     if q:
         needs_data = q.config.needs_activations or q.settings.kv_cache is not None  # RTN alone reads no tokens
         planned += [
-            Step("quantize", {"quantize": {"config": q.config.to_dict(), "settings": asdict(q.settings)},
+            Step("quantize", {"quantize": {"config": q.config.to_dict(), "settings": _what(asdict(q.settings))},
                               "calibration": asdict(cal) if needs_data else None}, (),
                   (recipe.checkpoint / "compound.json",), steps.quantize),
             Step("evaluate", {"dataset": cal.dataset, "windows": ev.windows, "seq_len": ev.seq_len,
@@ -42,11 +44,17 @@ def plan(recipe: Recipe) -> list[Step]:
         ]
     if h:
         planned += [
-            Step("heads", {"heads": asdict(h)}, ("quantize",) if q else (),
+            Step("heads", {"heads": _what(asdict(h))}, ("quantize",) if q else (),
                   (recipe.heads_dir / "compound.json",), steps.heads, recipe.output / "heads.work"),
             Step("heads_eval", {"prompts": ev.prompts, "new_tokens": ev.new_tokens}, ("heads",), (), steps.heads_eval),
         ]
     return planned
+
+
+def _what(settings: dict) -> dict:
+    """A section's settings without those that choose where a step computes (``device``): a run resumed on a GPU
+    reuses what the CPU made, as a change of ``--threads`` would."""
+    return {key: value for key, value in settings.items() if key not in PLACEMENT}
 
 
 def step_fingerprints(recipe: Recipe, api=None) -> dict[str, str]:

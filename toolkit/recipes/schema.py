@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from toolkit.engine.devices import DEVICES
 from toolkit.formats import resolve
 from toolkit.options import option_fields
 from toolkit.quant.configs import DEFAULT_METHOD, METHODS, ConfigError, WeightQuantConfig, make_config
@@ -87,6 +88,7 @@ class HeadsSection:
 
     head: str
     parts: dict  # field name of HeadsJob → its options instance
+    device: str  # where it trains (``toolkit.engine.devices``)
 
     @staticmethod
     def keys() -> dict[str, type]:
@@ -102,6 +104,8 @@ class HeadsSection:
         head = values.get("head", _default("head", HeadsJob))
         if head not in HEADS:
             raise SettingError("head", f"{head!r} is not supported; must be one of {', '.join(HEADS)}")
+        device = values.get("device", _default("device", HeadsJob))
+        _choice("device", device, DEVICES)
         parts = {}
         for name, part in HeadsJob.parts().items():
             given = {f.name: values[f.name] for f in option_fields(part) if f.name in values}
@@ -109,11 +113,12 @@ class HeadsSection:
                 parts[name] = part(**given)
             except ValueError as err:  # the option's own rules (batch_size a multiple of micro_batch_size, ...)
                 raise SettingError(next((k for k in given if k in str(err)), ""), str(err)) from None
-        return cls(head, parts)
+        return cls(head, parts, device)
 
     def job(self, model: str, output: Path, work_dir: Path) -> HeadsJob:
         """The ``train-heads`` job of this section against ``model``, resumable in ``work_dir``."""
-        return HeadsJob(model=model, output=output, head=self.head, **self.parts, work_dir=work_dir, overwrite=True)
+        return HeadsJob(model=model, output=output, head=self.head, device=self.device, **self.parts,
+                        work_dir=work_dir, overwrite=True)
 
 
 def _default(name: str, cls):
