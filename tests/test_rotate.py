@@ -148,3 +148,16 @@ def test_quantize_composes_rotation_with_every_method(tmp_path, model_type, meth
     assert (read - got).abs().max().item() <= 1e-3  # transformers and compound read the same model
     scale = expected.abs().mean().item()
     assert (got - expected).abs().mean().item() <= 0.02 * scale, (got - expected).abs().mean().item() / scale
+
+
+def test_the_memory_and_disk_estimates_count_a_head_the_rotation_may_untie():
+    from toolkit.engine import memory
+
+    tied, untied = tiny("gemma"), tiny("llama")  # the tiny Gemma ties its head, the tiny Llama does not
+    for model, extra in ((tied, VOCAB * 64), (untied, 0)):
+        plain, rotated = make_config("rtn", group_size=32), make_config("rtn", group_size=32, rotate="hadamard")
+        assert memory.disk_estimate(model, rotated, 0, 8, 2, offload=False) - \
+            memory.disk_estimate(model, plain, 0, 8, 2, offload=False) == extra * 2
+        parts = memory.estimate(model, rotated, 0, 8, streamed=False).parts
+        assert parts["rotation"] == extra * memory.FLOAT + 3 * memory.ROTATED_ROWS * 64 * 8
+        assert "rotation" not in memory.estimate(model, plain, 0, 8, streamed=False).parts

@@ -34,7 +34,7 @@ from toolkit.architectures import DOWN_PROJ, O_PROJ, Family
 from toolkit.models import arch_spec, decoder_layers
 from toolkit.quant import rotation
 
-_EMBED_ROWS = 8192  # embedding rows rotated at a time (a 262k vocabulary in float64 whole would take GBs)
+ROTATED_ROWS = 8192  # embedding rows rotated at a time (a 262k vocabulary in float64 whole would take GBs)
 
 
 @dataclass(frozen=True)
@@ -112,8 +112,8 @@ def _rotate_ends(model: nn.Module, entry: Family, q: torch.Tensor) -> int:
 def _rotate_rows(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None = None) -> None:
     """Each row of a vocabulary-sized ``weight`` (embedding or LM head) becomes ``row · diag(scale) · q``, a slice
     of rows at a time."""
-    for start in range(0, weight.shape[0], _EMBED_ROWS):
-        rows = weight.data[start:start + _EMBED_ROWS]
+    for start in range(0, weight.shape[0], ROTATED_ROWS):
+        rows = weight.data[start:start + ROTATED_ROWS]
         _set(rows, rotation.fold_reader(rows, scale, q))
 
 

@@ -11,13 +11,14 @@ Counted from the model's shapes (a meta-device skeleton is enough), float32 as t
 | forward | one batch: 3 MLP-wide tensors, 2 attention-score tensors, and 3 copies of the largest linear | same |
 | replay | GPTQ true-sequential, activations in memory: o_proj's and down_proj's inputs (samples × seq_len × (hidden + the widest input)), kept so attention and the MLP are not recomputed | same |
 | statistics | a Hessian (``needs_hessian``, GPTQ): 3 × K² for the widest input K (the Hessian, then its permuted copy and Cholesky factor, then the factor and its inverse: two at a time, plus allocator slack); a scale search (``searches_scales``, AWQ): max_tokens × every input | same |
+| rotation | — (``--rotate`` needs the model in memory) | ``--rotate``: the LM head it may untie (a tied one in a family whose residual stream it rotates), and 3 float64 copies of the largest matrix it folds at once |
 | output | one packed layer, twice (tensors and safetensors' serialized bytes) | the whole packed model, twice |
 
 An estimate, not a measurement: it aims a little high, so that a refusal is never a close call.
 
 ``disk_estimate`` counts the disk a run writes the same way: the checkpoint (the output row's packed linears of every
-layer, every other tensor in the saved dtype, and ``EXTRAS`` for tokenizer and configs) and, with offload, the
-activations row on disk.
+layer, every other tensor in the saved dtype, a head the rotation may untie, and ``EXTRAS`` for tokenizer and
+configs) and, with offload, the activations row on disk.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from pathlib import Path
 
 from torch import nn
 
-from toolkit.models import decoder_layers, layer_linears
+from toolkit.models import arch_spec, decoder_layers, layer_linears
 from toolkit.quant.configs import ConfigError, WeightQuantConfig
+from toolkit.rotate import ROTATED_ROWS
 
 GiB = 2**30
 RUNTIME = GiB // 2
@@ -100,9 +102,21 @@ def estimate(
         parts["hessians"] = 3 * max(m.in_features for m in linears) ** 2 * FLOAT
     if config.searches_scales:
         parts["awq inputs"] = config.max_tokens * sum(m.in_features for m in linears) * FLOAT
+    if config.rotate != "none":  # the head it may untie, float64 copies of the largest matrix it folds at once
+        folded = max(max(m.weight.numel() for m in linears), ROTATED_ROWS * hidden)
+        parts["rotation"] = _untied_head(model, config) * FLOAT + 3 * folded * 8
     packed_layer = sum(_packed_bytes(m.weight.numel(), config) for m in linears)
     parts["output"] = 2 * packed_layer * (1 if streamed else len(layers))
     return MemoryEstimate(streamed, offload, parts)
+
+
+def _untied_head(model: nn.Module, config: WeightQuantConfig) -> int:
+    """Weights of the LM head ``config.rotate`` may untie (``toolkit.rotate``): a tied head, in a family whose
+    residual stream it rotates, unless the final norm turns out to be one number (not known before loading)."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    if config.rotate == "none" or not tied or not arch_spec(model).rotates_residual:
+        return 0
+    return model.get_input_embeddings().weight.numel()
 
 
 def disk_estimate(
@@ -113,6 +127,7 @@ def disk_estimate(
     ``seq_len`` tokens."""
     linears = [m for layer in decoder_layers(model) for m in layer_linears(layer).values()]
     float_values = sum(p.numel() for p in model.parameters()) - sum(m.weight.numel() for m in linears)
+    float_values += _untied_head(model, config)
     written = sum(_packed_bytes(m.weight.numel(), config) for m in linears) + float_values * dtype_size + EXTRAS
     if offload:
         written += 2 * samples * seq_len * model.config.hidden_size * FLOAT
