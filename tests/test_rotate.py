@@ -18,6 +18,7 @@ from toolkit.quant.configs import ConfigError, make_config
 from toolkit.quantize import QuantizeSettings, quantize
 from toolkit.rotate import rotate_model
 from toolkit.runtime.load import load_quantized
+from toolkit.validate import serving_preview
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")]
@@ -137,6 +138,8 @@ def test_quantize_composes_rotation_with_every_method(tmp_path, model_type, meth
     manifest = json.loads((result.output / MANIFEST).read_text())
     assert manifest["quantization"]["rotate"] == "hadamard"
     assert result.choices["rotation"].startswith("hadamard: ")
+    assert serving_preview(result.output, [(64, 64)]).scheme.endswith(
+        "hadamard rotation folded into the weights (nothing to undo when serving)")
     saved = json.loads((result.output / "config.json").read_text())
     assert saved["tie_word_embeddings"] is (model_type == "gemma3_text")  # gemma's final norm is not one number
 
