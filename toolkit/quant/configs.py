@@ -71,8 +71,9 @@ class WeightQuantConfig:
                                      "rounded to nearest instead (listed in the output and the manifest).")
     rotate: str = option("none", "Fold an orthogonal rotation into the weights before quantizing, any method: none | "
                          "hadamard (a randomized Hadamard rotation of the residual stream, norms folded into the "
-                         "linears, and of each attention head's values; Gemma 2/3: the values only). The checkpoint "
-                         "stays a standard model; a tied LM head is untied where the final norm requires it.",
+                         "linears, and of each attention head's values; families with norms on the attention and MLP "
+                         "outputs, Gemma 2/3, get the values' rotation only). The checkpoint stays a standard model "
+                         "of its family; a tied LM head is untied where the final norm requires it.",
                          choices=ROTATIONS)
     version: int = field(default=1, repr=False)
 
