@@ -6,6 +6,9 @@ and a Q4_1 GGUF file from the same codes. SmolLM2's final norm is not one number
 checkpoint must carry ``lm_head.weight`` (and the GGUF file ``output.weight``), or a loader would tie the rotated
 embedding back in as the head. Each judge reuses its own test module's runner and bounds (``test_vllm``,
 ``test_peer_loaders``, ``test_llamacpp``), and is skipped where its venv is missing.
+
+Measured when written: compound NLL 3.54436, vLLM (fp16) 3.54472; transformers (GPTQModel's ATen AWQ kernels, bf16)
+|Δ NLL| 0.0022, top-1 98.6 %; llama.cpp |Δ NLL| 0.0063, top-1 97.6 %; float model 3.0723.
 """
 
 import json
@@ -21,7 +24,10 @@ MODEL = "smollm2-135m"
 BUILD = ["compound", "quantize", "--model", MODEL, "--method", "rtn", "--asym", "--bits", "4", "--group-size", "32",
          "--gguf", "--rotate", "hadamard", "--threads", "1"]
 WINDOWS, SEQ_LEN = 4, 128
-FLOAT_GAP = 0.3  # nats: RTN W4 g32 of the rotated model against the float model (a wrong fold is nats away)
+# nats, the rotated RTN checkpoint against the float model: measured 0.47 on these windows (RTN loses more on the
+# rotated weights of SmolLM2, whose float weights come from a Q4_1 file: 4-bit g32 blocks in the original basis),
+# against 6.5 with the embedding left unrotated
+FLOAT_GAP = 1.0
 
 
 @pytest.fixture(scope="module")
