@@ -27,7 +27,9 @@ Linears inside a decoder layer are found by module type and how they share input
 
 What compound does with each: every family quantizes to every format; ``decode`` marks those ``toolkit.decode`` runs
 (and so Medusa heads, selected in that loop), ``eagle`` those EAGLE heads (``toolkit.heads.eagle``) can draft for, and
-``gguf`` those written as GGUF files for llama.cpp (``toolkit.formats.gguf``).
+``gguf`` those written as GGUF files for llama.cpp (``toolkit.formats.gguf``). ``--rotate hadamard`` (``toolkit.rotate``)
+rotates the residual stream of every family whose entry ``rotates_residual`` (all but Gemma 2/3, whose norms on the
+branch outputs do not commute with a rotation) and the values of every attention head of every family.
 A Mixture-of-Experts layout is one more field of an entry (``Experts``: how its experts are named, which modules
 route, where the Hub stores the block); ``toolkit.experts`` turns transformers' fused expert tensors into one linear
 per expert projection, so every method and format treats an expert's projection as any other linear.
@@ -40,6 +42,8 @@ from dataclasses import dataclass
 
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
+# the linears that write a dense layer's branches into the residual stream (every family names them so)
+O_PROJ, DOWN_PROJ = "self_attn.o_proj", "mlp.down_proj"
 
 
 @dataclass(frozen=True)
@@ -103,9 +107,9 @@ class Family:
     rope_by_layer_type: bool = False
     awq_groups: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("input_layernorm", _QKV),
-        ("self_attn.v_proj", ("self_attn.o_proj",)),
+        ("self_attn.v_proj", (O_PROJ,)),
         ("post_attention_layernorm", _GATE_UP),
-        ("mlp.up_proj", ("mlp.down_proj",)),
+        ("mlp.up_proj", (DOWN_PROJ,)),
     )
     decode: bool = True
     eagle: bool = True
@@ -116,6 +120,13 @@ class Family:
     def mlp_norm(self) -> str:
         """The norm whose output the MLP reads."""
         return "pre_feedforward_layernorm" if self.post_norms else "post_attention_layernorm"
+
+    @property
+    def rotates_residual(self) -> bool:
+        """Whether an orthogonal rotation of the residual stream folds into the weights (``toolkit.rotate``): the
+        pre-norms' weights fold into the linears reading them, but a norm on a branch's output (``post_norms``)
+        scales the stream elementwise after the rotation, which only an online transform could undo."""
+        return not self.post_norms
 
 
 _LLAMA = Family()

@@ -41,6 +41,7 @@ from toolkit.experts import hub_name, hub_tensors
 from toolkit.options import check_choices, option
 from toolkit.quant import kv_cache as kv
 from toolkit.quant.configs import ConfigError, WeightQuantConfig, methods_that
+from toolkit.rotate import rotate_model
 from toolkit.version import __version__
 
 
@@ -150,11 +151,12 @@ def quantize(
     2. load the model's shapes; 3. fit the group size to every quantized linear (an unset one becomes the largest
     standard size dividing every input width; a given one is checked), then load the tokenizer; 4. estimate memory and
     disk, and refuse a run that cannot fit or whose output cannot be written; 5. load the model (whole, or only its
-    embeddings when streamed) and refuse NaN or infinite weights; 6. build calibration tokens (methods that need
-    them, KV scales); 7. quantize layer by layer, packing each linear as it finishes (streamed: writing each layer)
-    and saving each finished layer beside ``output`` (``layers_directory``; one process only), so that a rerun of a
-    killed run loads the layers it finished instead of quantizing them again; 8. calibrate KV-cache scales on the
-    quantized model (if asked); 9. write the checkpoint, then delete the saved layers.
+    embeddings when streamed), refuse NaN or infinite weights, and fold ``config.rotate``'s rotation into the float
+    weights (``toolkit.rotate``; whole models only); 6. build calibration tokens (methods that need them, KV scales);
+    7. quantize layer by layer, packing each linear as it finishes (streamed: writing each layer) and saving each
+    finished layer beside ``output`` (``layers_directory``; one process only), so that a rerun of a killed run loads
+    the layers it finished instead of quantizing them again; 8. calibrate KV-cache scales on the quantized model (if
+    asked); 9. write the checkpoint, then delete the saved layers.
     """
     started = time.perf_counter()
     calibration = calibration or CalibrationSpec()
@@ -169,6 +171,9 @@ def quantize(
     _check_kv_cache(kv_cache, kv_cache_strategy, fmt)
     if stream and kv_cache:
         raise ConfigError("--kv-cache needs the in-memory mode for now: run without --stream")
+    if stream and config.rotate != "none":
+        raise ConfigError(f"--rotate {config.rotate} rotates the embeddings and the LM head with every layer, so it "
+                          "needs the whole model in memory: run without --stream, or with --rotate none")
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
     needs_tokens = config.needs_activations or bool(kv_cache)
@@ -207,6 +212,10 @@ def quantize(
     else:
         model = load_model(model_spec, torch.float32, trust_remote_code)
     check_finite_weights(model.named_parameters(), arch_spec(model).layers)
+    if config.rotate != "none":
+        choices["rotation"] = rotate_model(model, config.seed).summary(dtype.itemsize)
+        if progress:
+            progress.step(f"rotated the float weights: {choices['rotation']}")
     tokens, calib_info = None, {}
     if needs_tokens:  # 6
         from toolkit.calibration import calibration_batch, fingerprint

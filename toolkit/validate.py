@@ -337,7 +337,7 @@ def serving_preview(directory: Path | str, shapes: list[tuple[int, int]]) -> Ser
         quant_method=method,
         scheme=f"{bits}-bit, {'per-channel' if group_size == -1 else f'group {group_size}'}, "
                f"{'symmetric' if scheme.sym else 'asymmetric (zero points)'}, "
-               f"act-order {_act_order(directory, scheme)}",
+               f"act-order {_act_order(directory, scheme)}{_rotation(directory)}",
         vllm_gpu=vllm_gpu, vllm_gpu_why=why, vllm_cpu=vllm_cpu, vllm_cpu_why=cpu_why,
         vllm_command=f"vllm serve {path} --dtype {dtype}",
         vllm_cpu_command=f"VLLM_CPU_INT4_W4A8=0 vllm serve {path} --dtype {dtype}",
@@ -346,12 +346,24 @@ def serving_preview(directory: Path | str, shapes: list[tuple[int, int]]) -> Ser
     )
 
 
+def _recorded(directory: Path | str) -> dict | None:
+    """The quantization config the checkpoint's manifest records (None without a manifest)."""
+    manifest = Path(directory) / MANIFEST
+    return json.loads(manifest.read_text()).get("quantization") if manifest.is_file() else None
+
+
 def _act_order(directory: Path | str, scheme: Scheme) -> str:
     """The act-order of a checkpoint as its manifest records it (the quantization_config alone says only whether
     groups are dynamic: ``desc_act``)."""
-    manifest = Path(directory) / MANIFEST
-    quantization = json.loads(manifest.read_text()).get("quantization") if manifest.is_file() else None
+    quantization = _recorded(directory)
     if quantization:
         return describe_act_order(quantization.get("act_order", False), quantization.get("static_groups", True),
                                   quantization.get("group_size"))
     return "on (dynamic groups)" if scheme.desc_act else "off or static groups (no manifest to tell)"
+
+
+def _rotation(directory: Path | str) -> str:
+    """The rotation the manifest records (``--rotate``), as the end of the scheme's description; "" for none."""
+    rotate = (_recorded(directory) or {}).get("rotate", "none")
+    return "" if rotate == "none" else f", {rotate} rotation folded into the weights (nothing to undo when serving)"
+

@@ -12,14 +12,15 @@ Counted from the model's shapes (a meta-device skeleton is enough), float32 as t
 | replay | GPTQ true-sequential, activations in memory: o_proj's and down_proj's inputs (samples × seq_len × (hidden + the widest input)), kept so attention and the MLP are not recomputed | same |
 | statistics | a Hessian (``needs_hessian``, GPTQ): 3 × K² for the widest input K (the Hessian, then its permuted copy and Cholesky factor, then the factor and its inverse: two at a time, plus allocator slack); a scale search (``searches_scales``, AWQ): max_tokens × every input | same |
 | learned rounding | ``learns_rounding`` (SignRound): the float layer's outputs (samples × seq_len × hidden), 8 copies of the layer's linear weights (offsets, their best copy and gradient, the fake-quantized weights and their intermediates), and the backward of one batch (twice the forward row) | same |
+| rotation | — (``--rotate`` needs the model in memory) | ``--rotate``: the LM head it may untie (a tied one in a family whose residual stream it rotates), and 3 float64 copies of the largest matrix it folds at once |
 | output | one packed layer, twice (tensors and safetensors' serialized bytes) | the whole packed model, twice |
 
 An estimate, not a measurement: it aims a little high, so that a refusal is never a close call.
 
 ``disk_estimate`` counts the disk a run writes the same way: the checkpoint (the output row's packed linears of every
-layer, every other tensor in the saved dtype, and ``EXTRAS`` for tokenizer and configs), the finished layers saved
-until it is written (``toolkit.engine.resume``: a byte per code, float32 scale and zero per group, the layers' other
-parameters in float32) and, with offload, the activations row on disk.
+layer, every other tensor in the saved dtype, a head the rotation may untie, and ``EXTRAS`` for tokenizer and
+configs), the finished layers saved until it is written (``toolkit.engine.resume``: a byte per code, float32 scale
+and zero per group, the layers' other parameters in float32) and, with offload, the activations row on disk.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from pathlib import Path
 
 from torch import nn
 
-from toolkit.models import decoder_layers, layer_linears
+from toolkit.models import arch_spec, decoder_layers, layer_linears
 from toolkit.quant.configs import ConfigError, WeightQuantConfig
+from toolkit.rotate import ROTATED_ROWS
 
 GiB = 2**30
 RUNTIME = GiB // 2
@@ -105,9 +107,21 @@ def estimate(
     if config.learns_rounding and samples:
         parts["learned rounding"] = (samples * seq_len * hidden + 8 * sum(m.weight.numel() for m in linears)) * FLOAT \
             + 2 * parts["forward"]
+    if config.rotate != "none":  # the head it may untie, float64 copies of the largest matrix it folds at once
+        folded = max(max(m.weight.numel() for m in linears), ROTATED_ROWS * hidden)
+        parts["rotation"] = _untied_head(model, config) * FLOAT + 3 * folded * 8
     packed_layer = sum(_packed_bytes(m.weight.numel(), config) for m in linears)
     parts["output"] = 2 * packed_layer * (1 if streamed else len(layers))
     return MemoryEstimate(streamed, offload, parts)
+
+
+def _untied_head(model: nn.Module, config: WeightQuantConfig) -> int:
+    """Weights of the LM head ``config.rotate`` may untie (``toolkit.rotate``): a tied head, in a family whose
+    residual stream it rotates, unless the final norm turns out to be one number (not known before loading)."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    if config.rotate == "none" or not tied or not arch_spec(model).rotates_residual:
+        return 0
+    return model.get_input_embeddings().weight.numel()
 
 
 def disk_estimate(
@@ -119,6 +133,7 @@ def disk_estimate(
     linears = [m for layer in decoder_layers(model) for m in layer_linears(layer).values()]
     quantized = sum(m.weight.numel() for m in linears)
     float_values = sum(p.numel() for p in model.parameters()) - quantized
+    float_values += _untied_head(model, config)
     written = sum(_packed_bytes(m.weight.numel(), config) for m in linears) + float_values * dtype_size + EXTRAS
     group = quantized if config.group_size == -1 else config.group_size
     saved_layers = sum(p.numel() for p in decoder_layers(model).parameters()) - quantized

@@ -14,11 +14,12 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from toolkit.options import choices_of, flag_of, help_of, option
+from toolkit.options import check_choices, choices_of, flag_of, help_of, option
 
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
 # what an unset group size may become, largest (fewest scales) first
 STANDARD_GROUP_SIZES = tuple(sorted((g for g in SUPPORTED_GROUP_SIZES if g > 0), reverse=True))
+ROTATIONS = ("none", "hadamard")  # --rotate: none, or the randomized Hadamard one of toolkit.quant.rotation
 
 
 class ConfigError(ValueError):
@@ -46,6 +47,8 @@ class WeightQuantConfig:
     the learned state and one batch's backward, counted likewise).
     moe_calibration / moe_min_tokens: what the experts of a Mixture-of-Experts layer are calibrated on, and below how
     many routed tokens an expert's linears fall back to round-to-nearest (``toolkit.engine.loop``).
+    rotate: the rotation folded into the float weights before any method runs (``toolkit.rotate``), seeded by
+    ``seed``; recorded with the rest of the config in the manifest.
     """
 
     bits: int = option(4, "Weight bits (2..8; the GPTQ format stores 2, 3, 4 or 8).")
@@ -68,6 +71,12 @@ class WeightQuantConfig:
                                             "keeps the true routing).", choices=("routed", "all"))
     moe_min_tokens: int = option(16, "Mixture-of-Experts: an expert routed fewer calibration tokens than this is "
                                      "rounded to nearest instead (listed in the output and the manifest).")
+    rotate: str = option("none", "Fold an orthogonal rotation into the weights before quantizing, any method: none | "
+                         "hadamard (a randomized Hadamard rotation of the residual stream, norms folded into the "
+                         "linears, and of each attention head's values; families with norms on the attention and MLP "
+                         "outputs, Gemma 2/3, get the values' rotation only). The checkpoint stays a standard model "
+                         "of its family; a tied LM head is untied where the final norm requires it.",
+                         choices=ROTATIONS)
     version: int = field(default=1, repr=False)
 
     method: ClassVar[str] = "base"
@@ -85,6 +94,7 @@ class WeightQuantConfig:
             raise ConfigError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {self.group_size}")
         if self.moe_min_tokens < 0:
             raise ConfigError(f"--moe-min-tokens must be 0 or more, got {self.moe_min_tokens}")
+        check_choices(self, ConfigError)
         if self.act_order and not self.reorders_columns:
             raise ConfigError(f"act_order is a GPTQ option; method {self.method!r} has none "
                               f"(use {' or '.join(methods_that('reorders_columns'))})")
