@@ -6,8 +6,9 @@
     result = train_heads(job, console)
 
 Heads (``head``): the kinds of ``toolkit.heads.kinds``, ``medusa``, ``eagle`` (EAGLE-1) and ``eagle3``; each phase
-below asks the job's kind what differs between them. The job holds one options object per concern (``toolkit.heads.options``: Medusa's, EAGLE's, data, selection; and the
-training loop's ``TrainConfig``); the field names below are theirs.
+below asks the job's kind what differs between them. The job holds one options object per concern
+(``toolkit.heads.options``: Medusa's, EAGLE's, data, selection; and the training loop's ``TrainConfig``); the field
+names below are theirs.
 
 Phases, each resumable by rerunning the same command (the work directory ``<output>.work`` keeps their state):
 
