@@ -104,7 +104,8 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     args = parser.parse_args()
 
-    from toolkit.evaluate.acceptance import recommended, trained_shape, validate_heads
+    from toolkit.evaluate.acceptance import recommended, validate_heads
+    from toolkit.heads.kinds.eagle import trained_shape
 
     torch.set_num_threads(args.threads)
     kinds = args.kinds.split(",")

@@ -144,9 +144,9 @@ def vllm_acceptance(target_dir: Path, heads: dict[str, Path], prompts: list[list
 def head_to_target_bytes(head_dir: Path, target) -> float:
     """Bytes a draft step reads over bytes a target step reads (both at the same width per weight): the head's
     layer, fc and draft lm_head against every target weight (the embedding's one row per token left out of both)."""
-    from toolkit.heads.eagle_export import load_eagle
+    from toolkit.heads.load import load_head
 
-    head = load_eagle(head_dir)
+    head = load_head(head_dir).module
     head_params = sum(p.numel() for p in head.parameters())
     embed = target.get_input_embeddings().weight.numel()
     tied = target.get_output_embeddings().weight.data_ptr() == target.get_input_embeddings().weight.data_ptr()
@@ -201,9 +201,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from toolkit.decode import greedy_outputs
-    from toolkit.evaluate.acceptance import heldout_prompts, measure_eagle, trained_shape, validate_heads
+    from toolkit.evaluate.acceptance import heldout_prompts, measure_eagle, validate_heads
     from toolkit.heads.eagle_draft import TreeShape
-    from toolkit.heads.eagle_export import load_eagle
+    from toolkit.heads.kinds.eagle import trained_shape
+    from toolkit.heads.load import load_head
     from toolkit.models import load_model, load_tokenizer
     from toolkit.runtime.load import load_quantized
 
@@ -269,7 +270,7 @@ def main() -> None:
     greedy, greedy_s = greedy_outputs(w4, prompts, args.new_tokens, tokenizer.eos_token_id)
     for label, head_dir in w4_heads.items():
         tree, chain = trained_shape(head_dir)
-        head = load_eagle(head_dir).float().attach(w4)
+        head = load_head(head_dir).module.float().attach(w4)
         measured = [measure_eagle(w4, head, prompts, args.new_tokens, shape, mode, tokenizer.eos_token_id, greedy,
                                   greedy_s) for mode, shape in (("tree", tree), ("chain", TreeShape(chain)))]
         w4_rows.append([label, vllm_cell(w4_vllm[3].get(label)), vllm_cell(w4_vllm[5].get(label)),

@@ -167,6 +167,7 @@ def model_card(directory: Path | str, results: dict | None = None, *, repo_id: s
     (local paths in them cut to their last component)."""
     directory = Path(directory)
     kind, is_heads = _describe(directory)
+    head_kind = _head_kind(directory)
     source = json.loads((directory / MANIFEST).read_text()).get("target" if is_heads else "model")
     base = _base_model(source) if source else None  # the model itself, not its published name, tells its base
     manifest, results = published(directory)[0], _public(results)  # what the card shows names no local path
@@ -176,8 +177,7 @@ def model_card(directory: Path | str, results: dict | None = None, *, repo_id: s
     if base:
         meta["base_model"] = base
     if is_heads:
-        head_kind = manifest.get("kind", "eagle") if manifest.get("format") == "eagle" else "medusa"
-        meta["tags"] = _unique(["compound", head_kind, "speculative-decoding", *tags])
+        meta["tags"] = _unique(["compound", head_kind.name, "speculative-decoding", *tags])
     else:
         quant = manifest.get("quantization") or {}
         method = (config.get("quantization_config") or {}).get("quant_method")
@@ -190,7 +190,7 @@ def model_card(directory: Path | str, results: dict | None = None, *, repo_id: s
         meta["tags"] = _unique(["compound", method, quant.get("method"), f"{bits}-bit" if bits else None, gguf,
                                 *tags])
     lines = ["---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", "", f"# {name.split('/')[-1]}", ""]
-    lines += _heads_body(manifest, config, name, base, source) if is_heads else \
+    lines += _heads_body(head_kind, manifest, config, name, base, source) if is_heads else \
         _checkpoint_body(manifest, config, name, base, source, kind)
     lines += _results_body(results)
     lines += ["## Files", "", f"`{MANIFEST}` holds the SHA-256 of every file (`compound validate` checks them).", "",
@@ -237,13 +237,19 @@ def _is_local_path(text: str) -> bool:
     return anchored and path.name not in ("", text)
 
 
+def _head_kind(directory: Path):
+    """The head kind of ``directory`` (``toolkit.heads.load.detect_head``), None for a checkpoint."""
+    from toolkit.heads.load import detect_head  # torch loads for heads only when a card is made
+
+    return detect_head(directory)
+
+
 def _describe(directory: Path) -> tuple[str, bool]:
     """(a few words naming the artifact, whether it is draft heads)."""
     manifest = json.loads((directory / MANIFEST).read_text())
-    if manifest.get("format") == "medusa":
-        return f"Medusa draft heads ({manifest.get('layout', 'vllm')} layout)", True
-    if manifest.get("format") == "eagle":
-        return f"{'EAGLE-3' if manifest.get('kind') == 'eagle3' else 'EAGLE-1/2'} draft head", True
+    head_kind = _head_kind(directory)
+    if head_kind is not None:
+        return head_kind.card_title(manifest), True
     quant = manifest.get("quantization") or {}
     method = str(quant.get("method", "")).upper()
     return f"{quant.get('bits', '?')}-bit {method} checkpoint ({manifest.get('format')})", False
@@ -280,17 +286,12 @@ def _gguf_files(manifest: dict) -> list[str]:
     return sorted(file for file in manifest.get("files", {}) if file.endswith(".gguf"))
 
 
-def _heads_body(manifest: dict, config: dict, name: str, base: str | None, source) -> list[str]:
-    medusa = manifest.get("medusa") or {}
-    k = medusa.get("num_heads", config.get("num_heads"))
+def _heads_body(head_kind, manifest: dict, config: dict, name: str, base: str | None, source) -> list[str]:
     training = manifest.get("training") or {}
     quantized_target = bool(source) and (Path(str(source)).expanduser() / MANIFEST).is_file()
     target = f"a compound checkpoint of {_link(base, source)}" if quantized_target else _link(base, source)
     served = base if base and not quantized_target else "TARGET"
-    if manifest.get("format") == "eagle":
-        lines = _eagle_body(manifest, name, target, served)
-    else:
-        lines = _medusa_body(manifest, medusa, k, name, target, served)
+    lines = head_kind.card_lines(manifest, config, name, target, served)
     if training:
         rows = [(key.replace("_", " "), training.get(key)) for key in
                 ("examples", "tokens", "trained_tokens", "steps", "best_step", "select_mode", "self_distill")]
@@ -299,43 +300,6 @@ def _heads_body(manifest: dict, config: dict, name: str, base: str | None, sourc
         lines += ["## Training", "", "Measured by compound while training (selection prompts, its decode loop).", "",
                   "| measure | value |", "|---|---|", *[f"| {key} | {_fmt(v)} |" for key, v in rows if v is not None],
                   ""]
-    return lines
-
-
-def _eagle_body(manifest: dict, name: str, target: str, served: str) -> list[str]:
-    from toolkit.heads.eagle import EagleConfig
-    from toolkit.heads.eagle_export import serving_flags
-
-    config = EagleConfig.from_dict(manifest["eagle"])
-    shape = (manifest.get("training") or {}).get("draft_shape") or {}
-    k = shape.get("depth", 3)
-    flags = serving_flags(config, name, k)
-    what = (f"An EAGLE-3 draft head (one decoder layer over the target's hidden states {list(config.aux_layers)}, "
-            f"a {config.draft_vocab_size}-token draft vocabulary)" if config.kind == "eagle3" else
-            "An EAGLE-1/2 draft head (one decoder layer over the target's last hidden state)")
-    lines = [f"{what} for {target}, trained with compound on the target's own hidden states. The target verifies "
-             "every drafted token, so the output is the target's own.", "", "## Serve", "", "```bash",
-             f"vllm serve {served} {flags['vllm']}"]
-    if "sglang" in flags:
-        lines.append(f"python -m sglang.launch_server --model-path {served} {flags['sglang']}")
-    lines += ["```", ""]
-    if served == "TARGET":
-        lines += ["TARGET: the Hub id or directory of the model the head was trained for (above).", ""]
-    return lines
-
-
-def _medusa_body(manifest: dict, medusa: dict, k, name: str, target: str, served: str) -> list[str]:
-    lines = [f"{k} Medusa draft heads ({medusa.get('num_layers', 1)} residual block(s) each) for {target}, trained "
-             "with compound on the target's own hidden states. Each head proposes one more token; the target "
-             "verifies them, so the output is the target's own.", ""]
-    if manifest.get("layout") == "medusa":
-        lines += ["These are in FasterDecoding's layout (`medusa_lm_head.safetensors`). For vLLM, convert them: "
-                  "`export_medusa(load_medusa(dir), out, layout='vllm')` (`toolkit.heads.medusa_export`).", ""]
-    else:
-        spec = json.dumps({"method": "medusa", "model": name, "num_speculative_tokens": k}, separators=(",", ":"))
-        lines += ["## Serve", "", "```bash", f"vllm serve {served} --speculative-config '{spec}'", "```", ""]
-        if served == "TARGET":
-            lines += ["TARGET: the Hub id or directory of the model the heads were trained for (above).", ""]
     return lines
 
 

@@ -5,9 +5,10 @@
                    eagle=EagleOptions(draft_vocab=8192))
     result = train_heads(job, console)
 
-Heads (``head``): ``medusa`` (``toolkit.heads.medusa``), ``eagle`` (EAGLE-1) and ``eagle3`` (``toolkit.heads.eagle``).
-The job holds one options object per concern (``toolkit.heads.options``: Medusa's, EAGLE's, data, selection; and the
-training loop's ``TrainConfig``); the field names below are theirs.
+Heads (``head``): the kinds of ``toolkit.heads.kinds``, ``medusa``, ``eagle`` (EAGLE-1) and ``eagle3``; each phase
+below asks the job's kind what differs between them. The job holds one options object per concern
+(``toolkit.heads.options``: Medusa's, EAGLE's, data, selection; and the training loop's ``TrainConfig``); the field
+names below are theirs.
 
 Phases, each resumable by rerunning the same command (the work directory ``<output>.work`` keeps their state):
 
@@ -18,9 +19,9 @@ Phases, each resumable by rerunning the same command (the work directory ``<outp
 3. training: ``toolkit.heads.train`` with checkpoints in ``work/train-<head shape>``; every ``eval_every`` steps the
    heads draft for the float32 target in compound's decode loop on ``eval_prompts`` held-out prompts, and the best by
    mean accepted length (``select_mode`` tree or chain; EAGLE-3's peaks before its loss stops falling) is kept;
-4. export: the best heads in ``layout`` (Medusa: vLLM or original; EAGLE: ``toolkit.heads.eagle_export``) with a
-   manifest naming the target and its hash; EAGLE-3 also in the speculators layout in ``<output>/speculators``
-   (``toolkit.heads.speculators_export``) when vLLM can load the target.
+4. export: the best heads in their kind's layouts (``HeadKind.export``: Medusa's ``layout``, vLLM or original; EAGLE:
+   ``toolkit.heads.eagle_export``; EAGLE-3 also in the speculators layout in ``<output>/speculators`` when vLLM can
+   load the target) with a manifest naming the target and its hash.
 
 Every option is checked against the target's config (``check_job``) before any of this, ``--dry-run`` included. A
 rerun reuses a piece of the work directory only when it was made for the same target weights, ``dtype`` and answers
@@ -46,7 +47,6 @@ from toolkit.evaluate import acceptance
 from toolkit.formats.checkpoint import write_text_atomic
 from toolkit.heads import reuse
 from toolkit.heads.data import build_examples, check_trainable, self_distill, show_example
-from toolkit.heads.eagle import KINDS, EagleHead, default_aux_layers, draft_vocabulary, eagle3_loss, eagle_loss
 from toolkit.heads.eagle_draft import TreeShape
 from toolkit.heads.hidden_states import (
     INDEX,
@@ -56,15 +56,14 @@ from toolkit.heads.hidden_states import (
     finish_hidden_cache,
     write_hidden_shards,
 )
-from toolkit.heads.medusa import MedusaHeads, medusa_loss
-from toolkit.heads.medusa_export import export_medusa, load_medusa
+from toolkit.heads.kinds import KINDS, HeadKind, kind_named
 from toolkit.heads.options import DataOptions, EagleOptions, MedusaOptions, SelectOptions
 from toolkit.heads.train import TrainConfig, train
 from toolkit.identity import target_identity, weights_sha256
 from toolkit.options import check_choices, option
 from toolkit.runtime.load import load_model_or_checkpoint
 
-HEADS = ("medusa", *KINDS)
+HEADS = tuple(KINDS)
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,8 @@ class HeadsJob:
 
     model: str
     output: Path
-    head: str = option("medusa", "Head type: medusa | eagle (EAGLE-1/2) | eagle3.", choices=HEADS)
+    head: str = option(HEADS[0], "Head type: " + " | ".join(f"{name} ({kind.title})" for name, kind in KINDS.items())
+                       + ".", choices=HEADS)
     device: str = device_option()
     medusa: MedusaOptions = field(default_factory=MedusaOptions)
     eagle: EagleOptions = field(default_factory=EagleOptions)
@@ -85,8 +85,7 @@ class HeadsJob:
     overwrite: bool = False
 
     def __post_init__(self):
-        if self.head not in HEADS:
-            raise ValueError(f"--head {self.head!r} is not supported; choose one of {', '.join(HEADS)}")
+        kind_named(self.head)  # "--head 'x' is not supported; choose one of ..."
         check_choices(self)  # "--device must be one of auto, cpu, cuda, got ..."
 
     @staticmethod
@@ -101,28 +100,28 @@ class HeadsJob:
         return self.work_dir or self.output.with_name(self.output.name + ".work")
 
     @property
+    def kind(self) -> HeadKind:
+        """The registered kind of ``head``."""
+        return KINDS[self.head]
+
+    @property
+    def head_options(self):
+        """The part of the job the head's kind reads (``medusa`` or ``eagle``: the part of its options class)."""
+        return next(getattr(self, name) for name, cls in self.parts().items() if cls is self.kind.options)
+
+    @property
     def train_dir(self) -> Path:
         """Training state of this head shape: runs of other shapes can share the work directory's data."""
-        eagle, medusa = self.eagle, self.medusa
-        loss = "" if eagle.loss == "kl" else f"-{eagle.loss}"  # kl: the directory names of earlier runs
-        if self.head == "eagle":
-            return self.work / f"train-eagle{loss}"
-        if self.head == "eagle3":
-            layers = "-".join(map(str, eagle.aux_layers)) if eagle.aux_layers else "default"
-            return self.work / f"train-eagle3-l{layers}-v{eagle.draft_vocab}-s{eagle.ttt_steps}{loss}"
-        output = "shared" if medusa.shared_lm_head else "own"
-        return self.work / f"train-{self.head}-k{medusa.num_heads}-l{medusa.num_layers}-{output}"
+        return self.work / self.kind.train_dir(self.head_options)
 
     def hidden_layers(self, num_layers: int) -> list[int]:
         """The target hidden states the head trains on: the final-norm state (-1), after eagle3's aux layers."""
-        if self.head != "eagle3":
-            return [-1]
-        return [*(self.eagle.aux_layers or default_aux_layers(num_layers)), -1]
+        return self.kind.hidden_layers(self.head_options, num_layers)
 
     @property
     def tree(self) -> TreeShape:
         """The EAGLE draft shape selected on: the dynamic tree, or the chain of ``depth`` (vLLM's)."""
-        return self.eagle.tree if self.select.select_mode == "tree" else TreeShape(self.eagle.depth)
+        return self.eagle.shape(self.select.select_mode)
 
 
 @dataclass
@@ -137,21 +136,14 @@ class HeadsResult:
 
 
 def check_job(job: HeadsJob) -> None:
-    """Refuse, from the target's config alone (no weight is read), options the target cannot serve: an EAGLE head for
-    an architecture EAGLE does not support, eagle3's aux layers and draft vocabulary beyond the target's, ``max_len``
-    beyond its context."""
-    from toolkit.architectures import UnsupportedFamily, family
+    """Refuse, from the target's config alone (no weight is read), options the target cannot serve: what the head's
+    kind refuses (``HeadKind.check_target``: an EAGLE head for an architecture EAGLE does not support, eagle3's aux
+    layers and draft vocabulary beyond the target's), ``max_len`` beyond its context."""
     from toolkit.models import empty_model
 
     target = empty_model(job.model)
     config = target.config
-    if job.head != "medusa":
-        try:
-            family(config.model_type, "eagle")
-        except UnsupportedFamily as err:
-            raise ValueError(f"--head {job.head} cannot draft for a {config.model_type} target: EAGLE heads support "
-                             f"{', '.join(err.supported)}; use --head medusa") from None
-    job.eagle.check_target(job.head, config.num_hidden_layers, target.get_output_embeddings().weight.shape[0])
+    job.kind.check_target(job.head_options, config, target.get_output_embeddings().weight.shape[0])
     job.data.check_target(getattr(config, "max_position_embeddings", None))
 
 
@@ -264,16 +256,19 @@ def train_heads(job: HeadsJob, console: Console, dry_run: bool = False) -> Heads
     target, tokenizer = load_model_or_checkpoint(job.model, torch.float32)
     target.to(device)  # the heads are built beside it, and train and draft there
     torch.manual_seed(job.train.seed)
-    heads, loss_fn, count_fn, measure = _head_for(job, target, examples, console if rank == 0 else None)
+    kind, options, select = job.kind, job.head_options, job.select
+    heads, loss_fn, count_fn = kind.build(options, target, examples, console if rank == 0 else Console(quiet=True))
     heads.to(device)  # the training loop trains a model where its parameters are
-    prompts = acceptance.heldout_prompts(tokenizer, job.select.eval_prompts)
+    shape = kind.selection_shape(options, select.select_mode)
+    prompts = acceptance.heldout_prompts(tokenizer, select.eval_prompts)
     greedy_cache: dict = {}
 
     def eval_fn(model) -> dict[str, float]:
         if not greedy_cache:  # plain greedy is the same at every evaluation
-            greedy_cache["out"], greedy_cache["s"] = greedy_outputs(target, prompts, job.select.eval_tokens,
+            greedy_cache["out"], greedy_cache["s"] = greedy_outputs(target, prompts, select.eval_tokens,
                                                                                tokenizer.eos_token_id)
-        report = measure(model, prompts, tokenizer.eos_token_id, greedy_cache["out"], greedy_cache["s"])
+        report = acceptance.measure_head(kind, target, model, prompts, select.eval_tokens, shape, select.select_mode,
+                                         tokenizer.eos_token_id, greedy_cache["out"], greedy_cache["s"])
         if not report.lossless:
             raise RuntimeError("speculative decoding with the heads changed the greedy output: a decode-loop bug")
         return {"mean_accepted_length": report.mean_accepted_length,
@@ -293,85 +288,16 @@ def train_heads(job: HeadsJob, console: Console, dry_run: bool = False) -> Heads
                           "self_distill": job.data.self_distill, "dataset": job.data.dataset, "steps": result.steps,
                           "best_step": result.best_step, "best_metrics": result.best_metrics,
                           "select_mode": job.select.select_mode, "config": asdict(config), "head": job.head}}
-    if job.head != "medusa":
-        eagle = job.eagle
-        extra["training"]["draft_shape"] = {"depth": eagle.depth, "top_k": eagle.top_k,
-                                            "draft_tokens": eagle.draft_tokens}
-        extra["training"]["ttt_steps"] = eagle.ttt_steps if job.head == "eagle3" else None
-    sha256 = weights_sha256(job.model)  # the manifest pins every byte
-    if job.head == "medusa":
-        export_medusa(heads, job.output, layout=job.medusa.layout, target=job.model, target_sha256=sha256,
-                      overwrite=job.overwrite, extra_manifest=extra)
-        load_medusa(job.output)  # the written directory reads back with every tensor
-    else:
-        from toolkit.heads.eagle_export import export_eagle, load_eagle
-
-        export_eagle(heads, job.output, target=job.model, target_sha256=sha256, overwrite=job.overwrite,
-                     extra_manifest=extra)
-        load_eagle(job.output)
-        if job.head == "eagle3":  # and the layout `vllm serve OUTPUT/speculators` serves without flags
-            from toolkit.heads.speculators_export import SUBDIR, export_speculators, vllm_verifier
-
-            try:
-                verifier = vllm_verifier(job.model)
-            except ValueError as err:
-                console.print(f"no speculators layout: {err}")
-            else:
-                export_speculators(heads, job.output / SUBDIR, verifier=verifier,
-                                   verifier_architectures=target.config.architectures or [],
-                                   speculative_tokens=job.eagle.depth, target=job.model, target_sha256=sha256,
-                                   extra_manifest=extra)
-                load_eagle(job.output / SUBDIR)
+    extra["training"].update(kind.training_record(options))
+    kind.export(heads, job.output, options, target=job.model, target_sha256=weights_sha256(job.model),  # every byte
+                target_architectures=target.config.architectures or [], overwrite=job.overwrite,
+                extra_manifest=extra, console=console)
     seconds = {"data_and_hidden_states": prepared - started, "training": trained_at - prepared,
                "total": time.perf_counter() - started}
     write_text_atomic(job.train_dir / "timings.json", json.dumps(seconds, indent=1))
     return HeadsResult(job.output, len(examples), tokens, trained, result.best_step, result.best_metrics, seconds)
 
 
-def _head_for(job: HeadsJob, target, examples, console: Console | None):
-    """(new head, loss_fn, count_fn, measure(head, prompts, eos, greedy, greedy_s) -> AcceptanceReport) of ``job``."""
-    def count_fn(batch):  # labels the first draft sees: the first two positions have no hidden state 2 tokens earlier
-        return int(batch["loss_mask"][:, 2:].sum())
-
-    medusa, eagle, select = job.medusa, job.eagle, job.select
-    if job.head == "medusa":
-        heads = MedusaHeads.from_target(target, medusa.num_heads, medusa.num_layers, medusa.shared_lm_head)
-        paths = acceptance.tree_for(medusa.num_heads) if select.select_mode == "tree" else \
-            acceptance.chain_paths(medusa.num_heads)
-
-        def measure(model, prompts, eos, greedy, greedy_s):
-            return acceptance.measure_acceptance(target, model, prompts, select.eval_tokens, paths, select.select_mode,
-                                                 eos, greedy, greedy_s)
-
-        return heads, lambda model, batch: medusa_loss(model, batch["hidden"], batch["input_ids"],
-                                                       batch["loss_mask"]), count_fn, measure
-
-    def measure(model, prompts, eos, greedy, greedy_s):
-        return acceptance.measure_eagle(target, model, prompts, select.eval_tokens, job.tree, select.select_mode, eos,
-                                        greedy, greedy_s)
-
-    if job.head == "eagle":
-        head = EagleHead.from_target(target, "eagle")
-        return head, lambda model, batch: eagle_loss(model, batch["hidden"], batch["input_ids"],
-                                                     batch["loss_mask"], loss=eagle.loss), count_fn, measure
-    V = target.get_output_embeddings().weight.shape[0]
-    vocab, covered = draft_vocabulary([e.input_ids[e.loss_mask] for e in examples], V, eagle.draft_vocab)
-    if console is not None:
-        console.print(f"draft vocabulary: {len(vocab):,} of {V:,} target tokens, covering {covered:.1%} of the "
-                      f"trained labels")
-    head = EagleHead.from_target(target, "eagle3", eagle.aux_layers, vocab)
-    lm_head = target.get_output_embeddings().weight
-
-    def loss_fn(model, batch):
-        return eagle3_loss(model, batch["hidden"], batch["input_ids"], batch["loss_mask"], lm_head, eagle.ttt_steps,
-                           loss=eagle.loss)
-
-    in_vocab = head.t2d.detach().cpu()  # count_fn sees the batches before they move to the training device
-
-    def eagle3_count(batch):  # eagle3_loss trains only labels in the draft vocabulary
-        return int((in_vocab[batch["input_ids"]] & batch["loss_mask"])[:, 2:].sum())
-
-    return head, loss_fn, eagle3_count, measure
 
 
 def _check_target_fits(spec: str, dtype: torch.dtype) -> None:

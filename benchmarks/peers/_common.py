@@ -166,7 +166,6 @@ def grid_check(dense_dir: Path, float_dir: Path, bits: int, group_size: int,
     """For every quantized linear in dense_dir: each group of `group_size` input columns per
     output row must hold at most 2**bits distinct values. Also reports how many weights
     changed vs the float model (0 would mean nothing was quantized)."""
-    import torch
     from safetensors.torch import load_file
 
     dq = load_file(str(dense_dir / "model.safetensors"))

@@ -8,7 +8,6 @@ from transformers import AutoModelForCausalLM
 
 from toolkit.decode import (
     Decoder,
-    DraftContext,
     MedusaDrafter,
     ModelDrafter,
     Proposal,

@@ -10,6 +10,7 @@ from torch import nn
 from toolkit.decode import greedy_outputs
 from toolkit.evaluate import acceptance
 from toolkit.heads.hidden_states import target_hidden_states
+from toolkit.heads.kinds.medusa import DEFAULT_TREE, chain_paths, tree_for
 from toolkit.heads.medusa import MedusaHeads
 
 NEW = 24
@@ -53,7 +54,7 @@ def test_random_heads_are_lossless_in_both_modes(target, prompts):
         for head in heads.blocks:
             head[0].linear.weight.normal_(0, 0.5)
     greedy, seconds = greedy_outputs(target, prompts, NEW)
-    for mode, paths in (("tree", acceptance.tree_for(3)), ("chain", acceptance.chain_paths(3))):
+    for mode, paths in (("tree", tree_for(3)), ("chain", chain_paths(3))):
         report = acceptance.measure_acceptance(target, heads, prompts, NEW, paths, mode, None, greedy, seconds)
         assert report.lossless and report.tokens == 2 * NEW
         # random heads over a 49,152-token vocabulary guess none of the target's tokens: each step keeps only the
@@ -82,7 +83,7 @@ def test_break_even_is_the_step_cost_in_greedy_tokens():
 def test_oracle_heads_are_always_accepted(target, prompts):
     greedy, seconds = greedy_outputs(target, prompts, NEW)
     oracle = Oracle(target, greedy, num_heads=3)
-    report = acceptance.measure_acceptance(target, oracle, prompts, NEW, acceptance.chain_paths(3), "chain", None,
+    report = acceptance.measure_acceptance(target, oracle, prompts, NEW, chain_paths(3), "chain", None,
                                            greedy, seconds, draft_dtype=torch.float32)
     assert report.lossless
     assert report.acceptance_rate == [1.0, 1.0, 1.0]
@@ -91,9 +92,9 @@ def test_oracle_heads_are_always_accepted(target, prompts):
 
 
 def test_tree_shapes():
-    assert acceptance.chain_paths(3) == [(0,), (0, 0), (0, 0, 0)]
-    assert all(len(p) <= 2 for p in acceptance.tree_for(2)) and (1,) in acceptance.tree_for(2)
-    assert acceptance.tree_for(4) == acceptance.DEFAULT_TREE
+    assert chain_paths(3) == [(0,), (0, 0), (0, 0, 0)]
+    assert all(len(p) <= 2 for p in tree_for(2)) and (1,) in tree_for(2)
+    assert tree_for(4) == DEFAULT_TREE
 
 
 def test_heldout_prompts_come_from_the_eval_split(smol_tokenizer):

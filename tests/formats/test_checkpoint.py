@@ -5,7 +5,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from collections import namedtuple
 from pathlib import Path
 

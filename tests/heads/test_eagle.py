@@ -8,7 +8,6 @@ from conftest import tiny_model
 from toolkit.decode import Decoder, generate, speculative_generate
 from toolkit.decode.speculative import DraftContext
 from toolkit.decode.tree import eagle2_tree
-from toolkit.evaluate.acceptance import eagle_shapes
 from toolkit.heads.eagle import (
     EagleConfig,
     EagleHead,
@@ -21,6 +20,7 @@ from toolkit.heads.eagle import (
 )
 from toolkit.heads.eagle_draft import EagleDrafter, TreeShape, _Tree, eagle_decoder
 from toolkit.heads.hidden_states import target_hidden_states
+from toolkit.heads.kinds.eagle import eagle_shapes
 
 VOCAB = 512
 

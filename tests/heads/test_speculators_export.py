@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 from toolkit.cli import app
 from toolkit.formats.checkpoint import MANIFEST, sha256_file
-from toolkit.heads.eagle_export import export_eagle, load_eagle
+from toolkit.heads.eagle_export import export_eagle
+from toolkit.heads.load import load_head
 from toolkit.heads.speculators_export import (
     expected_speculators_tensors,
     export_speculators,
@@ -56,7 +57,7 @@ def export(head, out, **kwargs):
 
 def test_fp32_round_trip_is_exact(target, head, tmp_path):
     out = export(head, tmp_path / "head", dtype=torch.float32)
-    for loaded in (load_speculators(out), load_eagle(out)):  # load_eagle reads this layout too
+    for loaded in (load_speculators(out), load_head(out).module):  # load_head tells the layouts apart
         assert_same_head(loaded, head, target)
 
 
@@ -95,7 +96,7 @@ def test_tensors_are_the_eagle_layouts_renamed(head, tmp_path):
 def test_config_json_alone_rebuilds_the_head(head, tmp_path):
     out = export(head, tmp_path / "head", dtype=torch.float32)
     (out / MANIFEST).unlink()
-    loaded = load_eagle(out)
+    loaded = load_head(out).module
     c, got = head.config, loaded.config
     assert (got.kind, got.aux_layers, got.draft_vocab_size, got.vocab_size, got.hidden_size, got.head_dim) == \
         (c.kind, c.aux_layers, c.draft_vocab_size, c.vocab_size, c.hidden_size, c.head_dim)
@@ -116,7 +117,7 @@ def test_load_refuses_a_config_compound_does_not_compute(target, tmp_path, edit,
     edit(config)
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message):
-        load_eagle(out)
+        load_head(out).module
 
 
 @pytest.mark.parametrize("case, edit, message", [
@@ -143,7 +144,7 @@ def test_load_refuses_a_changed_file(target, tmp_path):
     config["speculators_config"]["verifier"]["name_or_path"] = "elsewhere"
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="config.json no longer match the SHA-256"):
-        load_eagle(out)
+        load_head(out).module
 
 
 def test_exporter_refuses_eagle1_and_broken_heads_writing_nothing(target, tmp_path):
@@ -179,7 +180,7 @@ def test_train_heads_writes_the_speculators_layout_beside_and_prints_its_serve_l
         "--eval-tokens", "4", "--depth", "3", "--top-k", "2", "--draft-tokens", "4", "--ttt-steps", "2",
         "--draft-vocab", "300"])
     assert result.exit_code == 0, result.output
-    eagle, speculators = load_eagle(out), load_eagle(out / "speculators")
+    eagle, speculators = load_head(out).module, load_head(out / "speculators").module
     assert speculators.config == eagle.config
     assert all(torch.equal(speculators.state_dict()[n], t) for n, t in eagle.state_dict().items())
     config = json.loads((out / "speculators" / "config.json").read_text())["speculators_config"]

@@ -40,12 +40,12 @@ def train_heads(
         fail(err)
     if result.output is None:
         return
-    shape = f"{job.medusa.num_heads} medusa heads" if job.head == "medusa" else f"an {job.head} head"
-    table = result_table(f"compound train-heads: {shape} for {model}", result)
+    table = result_table(f"compound train-heads: {job.kind.describe(job.head_options)} for {model}", result)
     table.add_row("threads", str(threads))
-    Console().print(fit(table))
-    if job.head != "medusa":
-        _print_eagle_serving(result.output, job.eagle.tree)
+    out = Console()
+    out.print(fit(table))
+    for line in job.kind.serving_lines(result.output, job.head_options):
+        out.print(line, soft_wrap=True, markup=False, highlight=False)
 
 
 def result_table(title: str, result) -> Table:
@@ -61,23 +61,3 @@ def result_table(title: str, result) -> Table:
     for key, value in result.seconds.items():
         table.add_row(f"seconds, {key.replace('_', ' ')}", f"{value:.0f}")
     return table
-
-
-def _print_eagle_serving(output: Path, tree) -> None:
-    """The flags that serve an exported EAGLE head: vLLM's chain of the tree's depth (and the speculators layout,
-    when written, that names its target itself), SGLang's chain and ``tree``."""
-    from toolkit.heads.eagle_export import serving_flags
-    from toolkit.heads.speculators_export import SUBDIR
-
-    flags = serving_flags(output, str(output), tree.depth, tree)
-    out = Console()
-    out.print(f"serve it with vLLM (chain of {tree.depth}):")
-    out.print(f"  vllm serve TARGET {flags['vllm']}", soft_wrap=True, markup=False, highlight=False)
-    if (output / SUBDIR).is_dir():
-        out.print(f"  vllm serve {output / SUBDIR}   # the same; its config names the target and chain",
-                  soft_wrap=True, markup=False, highlight=False)
-    if "sglang" in flags:
-        out.print("with SGLang (chain, then the EAGLE-2 tree it was selected with):")
-        for line in (flags["sglang"], flags["sglang_tree"]):
-            out.print(f"  python -m sglang.launch_server --model-path TARGET {line}", soft_wrap=True, markup=False,
-                      highlight=False)

@@ -1,21 +1,17 @@
 """How well heads draft for their target, measured with compound's decode loop: accepted length, per-depth acceptance,
 tokens/s against plain greedy, and losslessness (speculative greedy output identical to plain greedy).
 
-Two proposal shapes for Medusa: ``chain_paths(K)``, each head's top-1 in a chain, which is what vLLM serves
-(``method: medusa``), and ``DEFAULT_TREE``, a small static tree (Medusa's sparse trees, cut to 12 nodes because a CPU
-target pays for every node it verifies). EAGLE heads draft a chain of k tokens (vLLM's ``eagle``/``eagle3``) or an
-EAGLE-2 dynamic tree (SGLang's steps / top-k / draft tokens), ``toolkit.heads.eagle_draft.TreeShape``. Held-out
-prompts can be restricted to one slice (``toolkit.evaluate.slices``: prose, code, non-English, structured): acceptance
-drops out of distribution.
+Every head kind is measured the same way (``measure_head``), through what its registration declares
+(``toolkit.heads.kinds``): the draft shapes (Medusa: a static tree or vLLM's chain, ``toolkit.heads.kinds.medusa``;
+EAGLE: a chain of k tokens, vLLM's, or an EAGLE-2 dynamic tree, SGLang's, ``toolkit.heads.eagle_draft.TreeShape``)
+and the decoder and drafter of compound's loop. Held-out prompts can be restricted to one slice
+(``toolkit.evaluate.slices``: prose, code, non-English, structured): acceptance drops out of distribution.
 """
 
 from __future__ import annotations
 
-import copy
-import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -23,24 +19,12 @@ from torch import nn
 from toolkit.calibration import conversation_ids
 from toolkit.calibration.sources import load_records
 from toolkit.calibration.splits import iter_split
-from toolkit.decode import Decoder, Drafter, MedusaDrafter, greedy_outputs, speculative_generate
+from toolkit.decode import Decoder, Drafter, greedy_outputs, speculative_generate
 from toolkit.evaluate.slices import SLICES, slice_of
-from toolkit.formats.checkpoint import MANIFEST
-from toolkit.heads.eagle_draft import EagleDrafter, TreeShape, eagle_decoder
-
-# Top-k ranks per depth, most likely paths first (the shape of Medusa's sparse trees, cut to 12 nodes).
-DEFAULT_TREE = [(0,), (1,), (2,), (3,), (0, 0), (0, 1), (1, 0), (0, 2), (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 0, 0, 0)]
-
-
-def chain_paths(num_heads: int) -> list[tuple[int, ...]]:
-    """Each head's top-1 in a chain: [(0,), (0, 0), ...], vLLM's Medusa proposal."""
-    return [(0,) * d for d in range(1, num_heads + 1)]
-
-
-def tree_for(num_heads: int) -> list[tuple[int, ...]]:
-    """``DEFAULT_TREE`` without the paths deeper than ``num_heads``."""
-    return [p for p in DEFAULT_TREE if len(p) <= num_heads]
-
+from toolkit.heads.eagle_draft import TreeShape
+from toolkit.heads.kinds import KINDS, HeadKind
+from toolkit.heads.kinds.medusa import MEDUSA
+from toolkit.heads.load import load_head
 
 CATEGORIES = ("all", *SLICES)
 
@@ -109,16 +93,6 @@ class AcceptanceReport:
         return asdict(self) | {"speedup": self.speedup, "break_even_accepted_length": self.break_even_accepted_length}
 
 
-def heads_callable(heads: nn.Module, dtype: torch.dtype = torch.bfloat16) -> Callable[[torch.Tensor], torch.Tensor]:
-    """hidden [D] -> logits [K, V] for ``MedusaDrafter``, from a copy of ``heads`` in ``dtype``.
-
-    bfloat16 by default, as vLLM runs heads in the serving dtype: on CPUs with bf16 matrix units a [K, H] x [H, V]
-    product costs what one row does in bf16 and about K times that in float32. Proposals only need the top-k.
-    """
-    drafting = copy.deepcopy(heads).to(dtype).eval()
-    return lambda hidden: drafting(hidden.to(dtype))
-
-
 @torch.inference_mode()
 def measure_drafter(decoder: Decoder, drafter: Drafter, prompts: Sequence[torch.Tensor], max_new_tokens: int,
                     mode: str, shape: str, nodes: int, eos_token_id: int | None, greedy: list[torch.Tensor],
@@ -165,47 +139,41 @@ def _greedy(target, prompts, max_new_tokens, eos_token_id, greedy, greedy_s):
     return greedy, greedy_s
 
 
-def measure_acceptance(target: nn.Module, heads: nn.Module, prompts: Sequence[torch.Tensor], max_new_tokens: int,
-                       paths: list[tuple[int, ...]], mode: str, eos_token_id: int | None = None,
-                       greedy: list[torch.Tensor] | None = None, greedy_s: float | None = None,
-                       draft_dtype: torch.dtype = torch.bfloat16) -> AcceptanceReport:
-    """Medusa ``heads`` drafting ``paths`` for ``target`` (see ``measure_drafter``).
+def measure_head(kind: HeadKind, target: nn.Module, head: nn.Module, prompts: Sequence[torch.Tensor],
+                 max_new_tokens: int, shape, mode: str, eos_token_id: int | None = None,
+                 greedy: list[torch.Tensor] | None = None, greedy_s: float | None = None,
+                 draft_dtype: torch.dtype = torch.bfloat16) -> AcceptanceReport:
+    """A ``head`` of ``kind`` (attached, for EAGLE) drafting ``shape`` for ``target`` (see ``measure_drafter``), from
+    a copy in ``draft_dtype``: bfloat16 by default, as engines draft in the serving dtype (verification keeps the
+    output the target's whatever the draft computes).
 
     greedy / greedy_s: plain greedy outputs and their total seconds from an earlier call, to reuse (the target is the
     same); computed when None.
     """
-    decoder = Decoder.from_model(target, max(len(p) for p in prompts) + max_new_tokens + len(paths) + 1)
-    drafter = MedusaDrafter(heads_callable(heads, draft_dtype), paths)
+    description, nodes = kind.shape_label(shape)
+    max_len = max(len(p) for p in prompts) + max_new_tokens + nodes + 1
+    decoder, drafter = kind.drafting(head, target, shape, max_len, draft_dtype)
     greedy, greedy_s = _greedy(target, prompts, max_new_tokens, eos_token_id, greedy, greedy_s)
-    shape = f"chain of {len(paths)}" if paths == chain_paths(len(paths)) else f"{len(paths)}-node tree"
-    return measure_drafter(decoder, drafter, prompts, max_new_tokens, mode, shape, len(paths), eos_token_id, greedy,
+    return measure_drafter(decoder, drafter, prompts, max_new_tokens, mode, description, nodes, eos_token_id, greedy,
                            greedy_s)
+
+
+def measure_acceptance(target: nn.Module, heads: nn.Module, prompts: Sequence[torch.Tensor], max_new_tokens: int,
+                       paths: list[tuple[int, ...]], mode: str, eos_token_id: int | None = None,
+                       greedy: list[torch.Tensor] | None = None, greedy_s: float | None = None,
+                       draft_dtype: torch.dtype = torch.bfloat16) -> AcceptanceReport:
+    """Medusa ``heads`` drafting ``paths`` for ``target`` (``measure_head``)."""
+    return measure_head(MEDUSA, target, heads, prompts, max_new_tokens, paths, mode, eos_token_id, greedy, greedy_s,
+                        draft_dtype)
 
 
 def measure_eagle(target: nn.Module, head: nn.Module, prompts: Sequence[torch.Tensor], max_new_tokens: int,
                   shape: TreeShape, mode: str, eos_token_id: int | None = None,
                   greedy: list[torch.Tensor] | None = None, greedy_s: float | None = None,
                   draft_dtype: torch.dtype = torch.bfloat16) -> AcceptanceReport:
-    """An attached EAGLE ``head`` drafting in ``shape`` for ``target`` (see ``measure_drafter``), from a copy in
-    ``draft_dtype``: bfloat16 by default, as engines draft in the serving dtype (on this CPU it halves the draft's
-    time; verification keeps the output the target's whatever the draft computes)."""
-    max_len = max(len(p) for p in prompts) + max_new_tokens + shape.nodes + 1
-    drafting = copy.deepcopy(head).to(draft_dtype).eval()
-    drafter = EagleDrafter(drafting, shape.depth, shape.top_k, shape.total_tokens, max_len=max_len)
-    greedy, greedy_s = _greedy(target, prompts, max_new_tokens, eos_token_id, greedy, greedy_s)
-    return measure_drafter(eagle_decoder(target, max_len, head), drafter, prompts, max_new_tokens, mode,
-                           shape.describe(), shape.nodes, eos_token_id, greedy, greedy_s)
-
-
-def eagle_shapes(tree: TreeShape, chain: int) -> list[tuple[str, TreeShape]]:
-    """The shapes validation measures: ``tree`` (SGLang's dynamic tree), ``chain`` (vLLM's ``chain`` speculative
-    tokens), and shorter and longer chains and a wider tree, to recommend the fastest."""
-    shapes = [("tree", tree), ("chain", TreeShape(chain))]
-    for k in sorted({max(1, chain - 1), chain + 1}):
-        shapes.append((f"chain-{k}", TreeShape(k)))
-    wide = TreeShape(tree.depth + 1, max(tree.top_k, 2), 2 * tree.nodes)  # a tree even when ``tree`` is a chain
-    shapes.append(("tree-wide", wide))
-    return shapes
+    """An attached EAGLE ``head`` drafting in ``shape`` for ``target`` (``measure_head``, its kind its config's)."""
+    return measure_head(KINDS[head.config.kind], target, head, prompts, max_new_tokens, shape, mode, eos_token_id,
+                        greedy, greedy_s, draft_dtype)
 
 
 def recommended(reports: Sequence[AcceptanceReport]) -> AcceptanceReport:
@@ -217,10 +185,11 @@ def validate_heads(target_spec: str, heads_dir, prompts: int = 8, max_new_tokens
                    dtype: torch.dtype = torch.float32, categories: Sequence[str] = ("all",),
                    tree: TreeShape | None = None, chain: int | None = None,
                    explore: bool = True) -> list[AcceptanceReport]:
-    """Heads from ``heads_dir`` (Medusa or EAGLE, told apart by their config) drafting for ``target_spec`` (run in
-    ``dtype``) on held-out prompts. Medusa: its static tree and the top-1 chain that vLLM serves. EAGLE: ``tree`` (an
-    EAGLE-2 dynamic tree as SGLang drafts) and vLLM's chain of ``chain`` tokens (defaults: ``trained_shape``), and on
-    the first category (with ``explore``) neighbouring shapes to recommend the fastest (``recommended``).
+    """Heads from ``heads_dir`` (of any kind: ``toolkit.heads.load.load_head``) drafting for ``target_spec`` (run in
+    ``dtype``) on held-out prompts, in the shapes their kind validates (``HeadKind.validation_shapes``). Medusa: its
+    static tree and the top-1 chain that vLLM serves. EAGLE: ``tree`` (an EAGLE-2 dynamic tree as SGLang drafts) and
+    vLLM's chain of ``chain`` tokens (defaults: ``toolkit.heads.kinds.eagle.trained_shape``), and on the first
+    category (with ``explore``) neighbouring shapes to recommend the fastest (``recommended``).
     categories: prompt subsets (``CATEGORIES``), each reported separately (mode suffixed with the category); a slice
     the held-out split has no prompt of is left out.
 
@@ -231,22 +200,9 @@ def validate_heads(target_spec: str, heads_dir, prompts: int = 8, max_new_tokens
     from toolkit.runtime.load import load_model_or_checkpoint
 
     target, tokenizer = load_model_or_checkpoint(target_spec, dtype)
-    eagle = is_eagle_dir(heads_dir)
-    if eagle:
-        from toolkit.heads.eagle_export import load_eagle
-
-        head = load_eagle(heads_dir).float().attach(target)
-        trained_tree, trained_chain = trained_shape(heads_dir)
-        tree, chain = tree or trained_tree, chain or trained_chain
-    else:
-        from toolkit.heads.medusa_export import load_medusa
-
-        heads = load_medusa(heads_dir).float()
-        if (heads.config.hidden_size != target.config.hidden_size
-                or heads.config.vocab_size != target.config.vocab_size):
-            raise ValueError(f"heads of hidden {heads.config.hidden_size} / vocab {heads.config.vocab_size} do not "
-                             f"fit {target_spec} (hidden {target.config.hidden_size} / vocab "
-                             f"{target.config.vocab_size})")
+    loaded = load_head(heads_dir)
+    kind = loaded.kind
+    head = kind.fit(loaded.module, target, target_spec)
     reports = []
     for n, category in enumerate(categories):
         chosen = heldout_prompts(tokenizer, prompts, skip=skip, category=category, partial=category != "all")
@@ -254,32 +210,7 @@ def validate_heads(target_spec: str, heads_dir, prompts: int = 8, max_new_tokens
             continue
         greedy, greedy_s = greedy_outputs(target, chosen, max_new_tokens, tokenizer.eos_token_id)
         suffix = "" if category == "all" else f" ({category})"
-        if eagle:
-            explored = explore and n == 0
-            shapes = eagle_shapes(tree, chain) if explored else [("tree", tree), ("chain", TreeShape(chain))]
-            reports += [measure_eagle(target, head, chosen, max_new_tokens, shape, mode + suffix,
-                                      tokenizer.eos_token_id, greedy, greedy_s) for mode, shape in shapes]
-        else:
-            K = heads.config.num_heads
-            reports += [measure_acceptance(target, heads, chosen, max_new_tokens, paths, mode + suffix,
-                                           tokenizer.eos_token_id, greedy, greedy_s)
-                        for mode, paths in (("tree", tree_for(K)), ("chain", chain_paths(K)))]
+        shapes = kind.validation_shapes(head, heads_dir, tree, chain, explore and n == 0)
+        reports += [measure_head(kind, target, head, chosen, max_new_tokens, shape, mode + suffix,
+                                 tokenizer.eos_token_id, greedy, greedy_s) for mode, shape in shapes]
     return reports
-
-
-def trained_shape(directory) -> tuple[TreeShape, int]:
-    """(tree, chain length) an EAGLE head was selected with (its manifest's ``training.draft_shape``), else
-    SGLang's Llama default tree (depth 5, top-4, 8 nodes) and vLLM's usual chain of 3."""
-    manifest = Path(directory) / MANIFEST
-    shape = json.loads(manifest.read_text()).get("training", {}).get("draft_shape") if manifest.is_file() else None
-    if not shape:
-        return TreeShape(5, 4, 8), 3
-    return TreeShape(shape["depth"], shape["top_k"], shape["draft_tokens"]), shape["depth"]
-
-
-def is_eagle_dir(directory) -> bool:
-    """Whether a head directory holds an EAGLE head (its config names an EAGLE architecture)."""
-    config = Path(directory) / "config.json"
-    if not config.is_file():
-        raise FileNotFoundError(f"no config.json in {directory}: not a head directory written by train-heads")
-    return "eagle" in json.dumps(json.loads(config.read_text()).get("architectures", [])).lower()

@@ -233,13 +233,10 @@ def write_head(out_dir: Path, tensors: dict[str, torch.Tensor], config_json: dic
 
 def load_eagle(directory: Path) -> EagleHead:
     """The head (float32, not attached: call ``.attach(target)``) of an EAGLE directory. Its config comes from
-    ``compound.json`` when present (file hashes checked), else from ``config.json``; every tensor is checked. A
-    directory in the speculators layout is read by ``toolkit.heads.speculators_export.load_speculators``."""
-    from toolkit.heads import speculators_export  # it builds on this module
-
+    ``compound.json`` when present (file hashes checked), else from ``config.json``; every tensor is checked. The
+    speculators layout is ``toolkit.heads.speculators_export.load_speculators``'s; ``toolkit.heads.load.load_head``
+    reads either."""
     directory = Path(directory)
-    if speculators_export.is_speculators(directory):
-        return speculators_export.load_speculators(directory)
     config = _read_config(directory)
     tensors = read_weights(directory)
     check_eagle_tensors(tensors, config)

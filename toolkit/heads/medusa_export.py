@@ -147,16 +147,23 @@ def load_medusa(directory: Path) -> MedusaHeads:
     return heads
 
 
-def _detect_layout(raw: dict, directory: Path) -> str:
+def layout_of(raw: dict) -> str | None:
+    """The layout a parsed ``config.json`` is of: "vllm" (``model_type: "medusa"``), "medusa" (FasterDecoding's
+    ``medusa_num_heads``), or None when it is no Medusa config."""
     if raw.get("model_type") == "medusa":
-        if not raw.get("medusa_fc_bias", False):
-            raise ValueError(f"{directory}: compound's heads have biased blocks; this config has medusa_fc_bias "
-                             "false, which they cannot load")
         return "vllm"
-    if "medusa_num_heads" in raw:
-        return "medusa"
-    raise ValueError(f"{directory / CONFIG} is neither vLLM's Medusa config (model_type 'medusa') nor FasterDecoding's "
-                     "(medusa_num_heads)")
+    return "medusa" if "medusa_num_heads" in raw else None
+
+
+def _detect_layout(raw: dict, directory: Path) -> str:
+    layout = layout_of(raw)
+    if layout is None:
+        raise ValueError(f"{directory / CONFIG} is neither vLLM's Medusa config (model_type 'medusa') nor "
+                         "FasterDecoding's (medusa_num_heads)")
+    if layout == "vllm" and not raw.get("medusa_fc_bias", False):
+        raise ValueError(f"{directory}: compound's heads have biased blocks; this config has medusa_fc_bias "
+                         "false, which they cannot load")
+    return layout
 
 
 def _config_from(raw: dict, layout: str, tensors: dict[str, torch.Tensor], weights: Path) -> MedusaConfig:

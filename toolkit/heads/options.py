@@ -67,12 +67,10 @@ class EagleOptions:
             raise ValueError(f"--aux-layers must be increasing target layer indices >= 1 such as 2,15,27, got "
                              f"{','.join(map(str, aux)) or 'none'}")
 
-    def check_target(self, head: str, num_layers: int, vocab_size: int) -> None:
-        """Refuse, for an eagle3 ``head``, what a target of ``num_layers`` decoder layers and ``vocab_size`` tokens
-        lacks: aux layers outside 1..num_layers - 1 (the residual stream entering a decoder layer) and a draft
-        vocabulary larger than its own."""
-        if head != "eagle3":
-            return
+    def check_target(self, num_layers: int, vocab_size: int) -> None:
+        """Refuse, for an eagle3 head, what a target of ``num_layers`` decoder layers and ``vocab_size`` tokens lacks:
+        aux layers outside 1..num_layers - 1 (the residual stream entering a decoder layer) and a draft vocabulary
+        larger than its own."""
         if num_layers < 2:
             raise ValueError(f"--head eagle3 fuses the states entering decoder layers 1 and up, and the target has "
                              f"{num_layers} decoder layer; use --head eagle or --head medusa")
@@ -87,6 +85,10 @@ class EagleOptions:
     def tree(self) -> TreeShape:
         """The EAGLE-2 dynamic tree of these options (what SGLang serves with ``--speculative-eagle-topk``)."""
         return TreeShape(self.depth, self.top_k, self.draft_tokens)
+
+    def shape(self, select_mode: str) -> TreeShape:
+        """The draft shape selected on in ``select_mode``: the dynamic tree, or the chain of ``depth`` (vLLM's)."""
+        return self.tree if select_mode == "tree" else TreeShape(self.depth)
 
 
 @dataclass(frozen=True)

@@ -171,10 +171,15 @@ def export_speculators(head: EagleHead, out_dir: Path, *, verifier: str, verifie
                                                      speculative_tokens), manifest, dtype, overwrite)
 
 
+def is_speculators_config(raw: dict) -> bool:
+    """Whether a parsed ``config.json`` is a speculators config (as vLLM tells: ``speculators_config``)."""
+    return "speculators_config" in raw
+
+
 def is_speculators(directory: Path) -> bool:
-    """Whether ``directory``'s ``config.json`` is a speculators config (as vLLM tells: ``speculators_config``)."""
+    """Whether ``directory``'s ``config.json`` is a speculators config."""
     path = Path(directory) / CONFIG
-    return path.is_file() and "speculators_config" in json.loads(path.read_text())
+    return path.is_file() and is_speculators_config(json.loads(path.read_text()))
 
 
 def load_speculators(directory: Path) -> EagleHead:

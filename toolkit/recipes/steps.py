@@ -47,8 +47,7 @@ def heads(recipe: Recipe, console) -> dict:
 
     h, target = recipe.heads, recipe.heads_target
     job = h.job(target, recipe.heads_dir, recipe.output / "heads.work")
-    shape = f"{job.medusa.num_heads} medusa heads" if h.head == "medusa" else f"an {h.head} head"
-    console.print(f"training {shape} against {target} → {recipe.heads_dir}")
+    console.print(f"training {job.kind.describe(job.head_options)} against {target} → {recipe.heads_dir}")
     result = train_heads(job, console)
     return {"target": target, "examples": result.examples, "tokens": result.tokens, "best_step": result.best_step,
             "best_metrics": result.best_metrics}
