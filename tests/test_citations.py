@@ -21,7 +21,7 @@ EXTERNAL = {  # other projects' files the code names without their path: name �
     "llama.cpp": "the llama.cpp project",
 }
 PATH = re.compile(rf"(?<![\w/.-])((?:{'|'.join(FOLDERS)})/[\w./-]*\w\.(?:py|md|cpp|sh|toml|yaml|json))\b")
-BARE = re.compile(r"(?<![\w/.-])(?<!/ \")([A-Za-z_][\w-]*\.(?:py|cpp|md))(?![\w/-])")  # not a path built: dir / "x.py"
+BARE = re.compile(r"(?<![\w/.\\-])(?<!/ \")([A-Za-z_][\w-]*\.(?:py|cpp|md))(?![\w/-])")  # not a path built: dir / "x.py"
 SECTIONS = re.compile(r"(?<![\w/.-])((?:[\w-]+/)*[\w-]+\.md)((?:[ ,–-]*§\d+(?:\.\d+)*)+)")
 MODULE = re.compile(r"(?<![\w.])toolkit(?:\.[A-Za-z_]\w*)+")
 HEADING = re.compile(r"^#{1,6} (\d+(?:\.\d+)*)\.? ", re.MULTILINE)
