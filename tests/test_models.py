@@ -2,7 +2,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from toolkit.engine.loop import LayerSession, capture_layer_inputs
+from toolkit.engine.session import LayerSession, capture_layer_inputs
 from toolkit.models import ModelError, decoder_layers, layer_linears, load_model, load_tokenizer
 from toolkit.quant.configs import RTNConfig
 

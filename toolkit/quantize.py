@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from toolkit.engine import distributed, memory
-from toolkit.engine.loop import Progress, capture_layer_inputs, check_finite_weights, input_widths, quantize_layers
+from toolkit.engine.loop import Progress, check_finite_weights, input_widths, quantize_layers
+from toolkit.engine.session import capture_layer_inputs
 from toolkit.engine.shards import is_safetensors_dir
 from toolkit.engine.streaming import StreamedLayers, outer_names, outer_tensors, stream_model
 from toolkit.formats import FORMATS, compressed_tensors, format_choice
