@@ -39,6 +39,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from commands import quantize_argv  # noqa: E402
 from report import cpu_name, markdown_table, update_section  # noqa: E402
 
 CACHE = ROOT / "benchmarks" / ".cache"
@@ -55,8 +56,10 @@ PROMPTS = (
 def make_checkpoint(out: Path) -> Path:
     """The W4 g64 RTN GPTQ checkpoint, made once with the CLI."""
     if not (out / "config.json").is_file():
-        subprocess.run(["compound", "quantize", "--model", MODEL, "--method", "rtn", "--bits", "4", "--group-size", "64",
-                        "--output", str(out), "--overwrite"], check=True, cwd=ROOT)
+        from toolkit.quant.configs import make_config
+
+        subprocess.run(quantize_argv(make_config("rtn", bits=4, group_size=64), model=MODEL, output=out), check=True,
+                       cwd=ROOT)
     return out
 
 

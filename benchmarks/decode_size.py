@@ -42,6 +42,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from commands import quantize_argv  # noqa: E402
 from random_llama import SIZES, make_model  # noqa: E402
 from report import cpu_name, markdown_table, update_section  # noqa: E402
 
@@ -62,8 +63,11 @@ def checkpoint(size: str) -> Path:
     """The W4 RTN checkpoint of ``size``, made once with the CLI (streamed: one layer in memory)."""
     out = CACHE / f"{size}-rtn-w4g{group_size(size)}"
     if not (out / "config.json").is_file():
-        subprocess.run(["compound", "quantize", "--model", str(make_model(size)), "--method", "rtn", "--bits", "4",
-                        "--group-size", str(group_size(size)), "--stream", "--output", str(out), "--overwrite"],
+        from toolkit.quant.configs import make_config
+        from toolkit.quantize import QuantizeSettings
+
+        subprocess.run(quantize_argv(make_config("rtn", bits=4, group_size=group_size(size)),
+                                     QuantizeSettings(stream=True), model=make_model(size), output=out),
                        check=True, cwd=ROOT)
     return out
 
@@ -227,7 +231,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="smollm2,1b,3b", help=f"comma-separated, of {', '.join(SIZES)}")
     parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
-    parser.add_argument("--kernels", default=",".join(available_kernels()),
+    parser.add_argument("--kernels", default=None,
                         help="comma-separated CPU int4 kernels (default: every one this machine runs)")
     parser.add_argument("--forwards", default="native,torch",
                         help="comma-separated decoder forwards: native (its C++ step, every kernel), torch (its torch "
@@ -236,6 +240,7 @@ def main() -> None:
     parser.add_argument("--child", nargs=4, metavar=("SIZE", "THREADS", "KERNEL", "FORWARD"), help=argparse.SUPPRESS)
     parser.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
     args = parser.parse_args()
+    args.kernels = args.kernels or ",".join(available_kernels())  # after parsing: --help builds nothing
     if args.child:
         print(json.dumps(measure(args.child[0], int(args.child[1]), args.child[2], args.child[3], args.tokens)))
         return

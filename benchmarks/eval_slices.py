@@ -21,7 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from report import cpu_name, markdown_table, update_section  # noqa: E402
+from commands import compound_argv, quantize_argv  # noqa: E402
+from report import command_line, cpu_name, markdown_table, update_section  # noqa: E402
 
 CACHE = ROOT / "benchmarks" / ".cache" / "eval"
 MODEL = "smollm2-135m"
@@ -29,15 +30,19 @@ SLICES = ("prose", "code", "non-english", "structured", "overall")
 
 
 def quantize_command(method: str) -> list[str]:
-    return ["compound", "quantize", "--model", MODEL, "--method", method, "--bits", "4", "--group-size", "64",
-            "--dataset", "sharegpt", "--samples", "128", "--seq-len", "512", "--output", str(checkpoint(method)),
-            "--overwrite"]
+    """W4 g64 of ``method`` on 128×512 ShareGPT calibration tokens, the same for every method."""
+    from toolkit.quant.configs import make_config
+    from toolkit.quantize import CalibrationSpec
+
+    return quantize_argv(make_config(method, bits=4, group_size=64),
+                         CalibrationSpec(dataset="sharegpt", samples=128, seq_len=512), model=MODEL,
+                         output=checkpoint(method))
 
 
 def eval_command(args, method: str) -> list[str]:
-    return ["compound", "eval", "--model", str(checkpoint(method)), "--base", MODEL, "--windows", str(args.windows),
-            "--seq-len", str(args.seq_len), "--new-tokens", str(args.new_tokens), "--output",
-            str(checkpoint(method)) + ".eval", "--overwrite"]
+    """``compound eval`` of ``method``'s checkpoint against the float model."""
+    return compound_argv("eval", model=checkpoint(method), base=MODEL, windows=args.windows, seq_len=args.seq_len,
+                         new_tokens=args.new_tokens, output=f"{checkpoint(method)}.eval", overwrite=True)
 
 
 def checkpoint(method: str) -> Path:
@@ -116,8 +121,8 @@ def main() -> None:
     if args.no_write:
         return
     body = "\n\n".join([
-        f"`python benchmarks/eval_slices.py --methods {args.methods} --windows {args.windows}` on {cpu_name()}, "
-        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}: per "
+        f"Command: `{command_line()}`",
+        f"On {cpu_name()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}: per "
         "method one `compound quantize` (128×512 ShareGPT calibration tokens, the same for every method) and one "
         "`compound eval` against the float model (the embedded GGUF, dequantized). Held-out: the ShareGPT eval "
         f"split, up to {args.windows}×{args.seq_len} tokens per slice (the eval split holds only a few non-English "
@@ -131,8 +136,6 @@ def main() -> None:
         "Degrades most (largest perplexity ratio): " + ", ".join(f"{n}: **{s}**" for n, s in worst.items())
         + ". Eval time per method (`compound eval`, both models, all slices and checks): "
         + ", ".join(f"{m.upper()} {s:.0f} s" for m, s in seconds.items()) + ".",
-        "Commands:\n\n```bash\n" + "\n".join(shown(quantize_command(m)) + "\n" + shown(eval_command(args, m))
-                                             for m in methods) + "\n```",
     ])
     update_section("Task-level quality by slice (SmolLM2-135M-Instruct, W4 g64)", body)
 

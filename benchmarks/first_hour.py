@@ -29,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from commands import compound_argv, flag_argv  # noqa: E402
 from report import cpu_name, markdown_table, update_section  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "first_hour_results.json"
@@ -53,9 +54,9 @@ def commands() -> dict[str, list[str]]:
     job = main_job()
     checkpoint = job[job.index("--output") + 1]
     return {"main job (quantize --eval)": job,
-            "decode": ["compound", "decode", "--model", checkpoint, "--prompt", PROMPT],
-            "validate": ["compound", "validate", "--model", checkpoint],
-            "eval": ["compound", "eval", "--model", checkpoint, "--base", "smollm2-135m", "--overwrite"]}
+            "decode": compound_argv("decode", model=checkpoint, prompt=PROMPT),
+            "validate": compound_argv("validate", model=checkpoint),
+            "eval": compound_argv("eval", model=checkpoint, base="smollm2-135m", overwrite=True)}
 
 
 def timed(command: list[str], limit: float | None) -> tuple[float | None, str]:
@@ -99,7 +100,7 @@ def main() -> None:
                 time.sleep(3)
             try:
                 limit = None if condition == "quiet" else max(args.limit * quiet[verb], 120)
-                seconds, out = timed([*command, "--threads", threads], limit)
+                seconds, out = timed([*command, *flag_argv(threads=threads)], limit)
             finally:
                 if load:
                     load.kill()
@@ -118,7 +119,8 @@ def main() -> None:
             "checkpoint the others read); \"beside a 2-thread torch process\": a loop of matmuls on 2 threads, "
             "started 3 s before the command. Nothing else ran. Rows are kept in "
             "`benchmarks/first_hour_results.json`, each with its date and CPU.\n\n"
-            + markdown_table(COLUMNS, rows) + "\n\nCommand: `python benchmarks/first_hour.py [--verbs main,decode,validate,eval]`")
+            + markdown_table(COLUMNS, rows) + "\n\nCommand: `python benchmarks/first_hour.py` (every verb and condition; "
+            "`--verbs` re-measures some, keeping the others' rows)")
     print(body)
     if not args.no_write:
         RESULTS.write_text(json.dumps(results, indent=1) + "\n")

@@ -2,11 +2,12 @@
 prompts (compound's loop, static tree and vLLM's top-1 chain), speedup over plain greedy, and what an 8B target on a
 GPU would cost, extrapolated from the measured per-token costs.
 
-The training run is the ``compound train-heads`` command printed in the section (run as a subprocess, so the command
-is exactly what a user types); evaluation is ``compound validate --heads`` on prompts disjoint from the ones the run
-selected its checkpoint on.
+Each variant (own output layers, then the shared lm_head) is a ``compound train-heads`` run in a subprocess (its argv
+built from the job's option dataclasses: ``benchmarks/commands.py``; the second reuses the first's data and hidden
+states in the same work directory); evaluation is ``compound validate --heads``'s ``validate_heads`` on prompts
+disjoint from the ones the runs selected their checkpoints on.
 
-    python benchmarks/heads.py [--samples 600] [--steps 600] [--prompts 12] [--new-tokens 96] [--no-write]
+    python benchmarks/heads.py [--samples 256] [--steps 250] [--prompts 6] [--new-tokens 64] [--reuse] [--no-write]
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from report import cpu_name, markdown_table, update_section  # noqa: E402
+from commands import train_heads_argv  # noqa: E402
+from report import command_line, cpu_name, markdown_table, update_section  # noqa: E402
 
 CACHE = ROOT / "benchmarks" / ".cache"
 MODEL = "smollm2-135m"
@@ -34,13 +36,18 @@ EIGHT_B = dict(hidden=4096, vocab=128256, params=8.0e9)
 GPU_FLOPS, GPU_UTILISATION, GPU_BANDWIDTH = 989e12, 0.4, 3.35e12  # H100 SXM: dense bf16, HBM3 bytes/s
 
 
-def train_command(args, output: Path, work: Path, shared: bool) -> list[str]:
-    return ["compound", "train-heads", "--model", MODEL, "-o", str(output), "--work-dir", str(work),
-            "--num-heads", str(args.heads), "--shared-lm-head" if shared else "--own-lm-heads",
-            "--samples", str(args.samples), "--max-len", "768", "--distill-tokens", str(args.distill_tokens),
-            "--steps", str(args.steps), "--batch-size", "8", "--micro-batch-size", "8", "--lr", str(args.lr),
-            "--eval-every", str(args.eval_every), "--save-every", str(args.eval_every), "--eval-prompts", "3",
-            "--eval-tokens", "48", "--overwrite"]
+def heads_job(args, output: Path, work: Path, shared: bool):
+    """The ``train-heads`` job of one variant: Medusa heads with their own output layers or the shared lm_head."""
+    from toolkit.heads.options import DataOptions, MedusaOptions, SelectOptions
+    from toolkit.heads.train import TrainConfig
+    from toolkit.train_heads import HeadsJob
+
+    return HeadsJob(model=MODEL, output=output, head="medusa", work_dir=work, overwrite=True,
+                    medusa=MedusaOptions(num_heads=args.heads, shared_lm_head=shared),
+                    data=DataOptions(samples=args.samples, max_len=768, distill_tokens=args.distill_tokens),
+                    train=TrainConfig(lr=args.lr, steps=args.steps, batch_size=8, micro_batch_size=8,
+                                      eval_every=args.eval_every, save_every=args.eval_every),
+                    select=SelectOptions(eval_prompts=3, eval_tokens=48))
 
 
 def extrapolate(tau: float, heads: int, distill_tokens: float, train_tokens: float, steps_tokens: float) -> str:
@@ -71,13 +78,13 @@ def extrapolate(tau: float, heads: int, distill_tokens: float, train_tokens: flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=400)
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=250)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--distill-tokens", type=int, default=128)
-    parser.add_argument("--eval-every", type=int, default=100)
-    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--variants", default="own,shared", help="lm-head variants: own and/or shared")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="target dtypes in the decode loop")
@@ -93,18 +100,16 @@ def main() -> None:
     work = args.output.with_name(args.output.name + ".work")
     if not args.reuse and not args.keep_work:
         shutil.rmtree(work, ignore_errors=True)  # time the whole recipe, data generation included
-    rows, phases, commands, trainings = [], [], [], {}
+    rows, phases, trainings = [], [], {}
     for variant in args.variants.split(","):
         output = args.output.with_name(f"{args.output.name}-{variant}")
-        command = train_command(args, output, work, variant == "shared")
-        commands.append(" ".join(command))
+        job = heads_job(args, output, work, variant == "shared")
         wall = None
         if not args.reuse:
             started = time.perf_counter()
-            subprocess.run(command, check=True)
+            subprocess.run(train_heads_argv(job), check=True)
             wall = time.perf_counter() - started
-        lm = "shared" if variant == "shared" else "own"
-        timings = json.loads((work / f"train-medusa-k{args.heads}-l1-{lm}" / "timings.json").read_text())
+        timings = json.loads((job.train_dir / "timings.json").read_text())
         training = json.loads((output / "compound.json").read_text())["training"]
         trainings[variant] = training
         phases.append([variant, f"{timings['data_and_hidden_states']:.0f}", f"{timings['training']:.0f}",
@@ -138,9 +143,7 @@ def main() -> None:
         f"{args.new_tokens} new tokens each, greedy, compound's decode loop; heads draft in bf16.\n\n"
         f"{table}\n\n{phase_table}\n\n"
         f"{extrapolate(tau, args.heads, training['examples'] * args.distill_tokens, training['tokens'], steps_tokens)}"
-        f"\n\nCommands: " + "; ".join(f"`{c}`" for c in commands) + f", then `compound validate --model {MODEL} "
-        f"--heads OUT --prompts {args.prompts} --max-new-tokens {args.new_tokens} --dtype DTYPE` (all by "
-        f"`python benchmarks/heads.py`)."
+        f"\n\nCommand: `{command_line()}`"
     )
     print(table, phase_table, sep="\n\n")
     if not args.no_write:

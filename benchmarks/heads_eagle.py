@@ -3,8 +3,9 @@ held-out ShareGPT prompts (all, code, non-English) in compound's loop for SGLang
 tokens/s against plain greedy, the shape ``compound validate`` recommends, Medusa on the same prompts, and the two
 levers stacked (W4 target + EAGLE-3).
 
-Training is the ``compound train-heads`` command printed in the section (a subprocess, exactly what a user types;
-both heads share one work directory, so the second reuses the first's self-distilled data); evaluation is
+Training is a ``compound train-heads`` run per head in a subprocess (its argv built from the job's option dataclasses:
+``benchmarks/commands.py``; both heads share one work directory, so the second reuses the first's self-distilled
+data); evaluation is
 ``toolkit.evaluate.acceptance.validate_heads`` (what ``compound validate --heads`` runs) on prompts disjoint from the
 ones the runs selected their checkpoints on.
 
@@ -24,8 +25,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from commands import train_heads_argv  # noqa: E402
 from decode import make_checkpoint  # noqa: E402
-from report import cpu_name, markdown_table, update_section  # noqa: E402
+from report import command_line, cpu_name, markdown_table, update_section  # noqa: E402
 
 CACHE = ROOT / "benchmarks" / ".cache"
 MODEL = "smollm2-135m"
@@ -33,22 +35,19 @@ W4_CHECKPOINT = CACHE / "decode-smollm2-rtn-w4g64"  # made by benchmarks/decode.
 MEDUSA = CACHE / "heads-smollm2-medusa-own"  # made by benchmarks/heads.py
 
 
-def train_command(args, kind: str) -> list[str]:
-    return ["compound", "train-heads", "--model", MODEL, "--head", kind, "-o", str(output_dir(args, kind)),
-            "--work-dir", str(args.work), "--samples", str(args.samples), "--max-len", "768", "--distill-tokens", "128",
-            "--draft-vocab", str(args.draft_vocab), "--ttt-steps", str(args.ttt_steps), "--depth", "5", "--top-k", "4",
-            "--draft-tokens", "8", "--steps", str(args.steps), "--batch-size", "8", "--micro-batch-size", "4",
-            "--lr", "1e-3", "--eval-every", "200", "--save-every", "200", "--eval-prompts", "3", "--eval-tokens", "48",
-            "--overwrite"]
+def heads_job(args, kind: str):
+    """The ``train-heads`` job of one head kind (``eagle3`` or ``eagle``), selected on SGLang's default tree."""
+    from toolkit.heads.options import DataOptions, EagleOptions, SelectOptions
+    from toolkit.heads.train import TrainConfig
+    from toolkit.train_heads import HeadsJob
 
-
-def output_dir(args, kind: str) -> Path:
-    return CACHE / f"heads-smollm2-{kind}"
-
-
-def train_dir(args, kind: str) -> Path:
-    return args.work / ("train-eagle" if kind == "eagle" else
-                        f"train-eagle3-ldefault-v{args.draft_vocab}-s{args.ttt_steps}")
+    return HeadsJob(model=MODEL, output=CACHE / f"heads-smollm2-{kind}", head=kind, work_dir=args.work, overwrite=True,
+                    eagle=EagleOptions(draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, depth=5, top_k=4,
+                                       draft_tokens=8),
+                    data=DataOptions(samples=args.samples, max_len=768, distill_tokens=128),
+                    train=TrainConfig(lr=1e-3, steps=args.steps, batch_size=8, micro_batch_size=4, eval_every=200,
+                                      save_every=200),
+                    select=SelectOptions(eval_prompts=3, eval_tokens=48))
 
 
 def report_row(name: str, r) -> list[str]:
@@ -109,18 +108,18 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     kinds = args.kinds.split(",")
-    rows, phases, commands, recommendations = [], [], [], []
+    rows, phases, recommendations, outputs = [], [], [], {}
     for kind in kinds:
-        command = train_command(args, kind)
-        commands.append(" ".join(command).replace(f"{ROOT}/", ""))
+        job = heads_job(args, kind)
+        outputs[kind] = job.output
         if not args.reuse:
-            subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
-        timings = json.loads((train_dir(args, kind) / "timings.json").read_text())
-        training = json.loads((output_dir(args, kind) / "compound.json").read_text())["training"]
+            subprocess.run(train_heads_argv(job), check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+        timings = json.loads((job.train_dir / "timings.json").read_text())
+        training = json.loads((job.output / "compound.json").read_text())["training"]
         phases.append([kind, str(training["examples"]), f"{training['tokens']:,}",
                        f"{timings['data_and_hidden_states']:.0f}", f"{timings['training']:.0f}",
                        f"{timings['total'] / 60:.1f}", f"{training['best_step']} of {training['steps']}"])
-        reports = validate_heads(MODEL, output_dir(args, kind), args.prompts, args.new_tokens,
+        reports = validate_heads(MODEL, job.output, args.prompts, args.new_tokens,
                                  categories=("all", "code", "non-english"))
         rows += [report_row(kind, r) for r in reports]
         best = recommended([r for r in reports if "(" not in r.mode])
@@ -130,7 +129,7 @@ def main() -> None:
     if MEDUSA.exists():
         rows += [report_row("medusa (own lm_heads)", r) for r in validate_heads(MODEL, MEDUSA, args.prompts,
                                                                                  args.new_tokens)]
-    stack_rows = stacked(args, output_dir(args, "eagle3"), trained_shape(output_dir(args, "eagle3"))[0]) \
+    stack_rows = stacked(args, outputs["eagle3"], trained_shape(outputs["eagle3"])[0]) \
         if "eagle3" in kinds and make_checkpoint(W4_CHECKPOINT) else []
 
     table = markdown_table(["head", "prompts / proposal", "shape", "accepted length τ", "acceptance per depth",
@@ -170,9 +169,7 @@ def main() -> None:
         "5.19), but its data path asks a vLLM server for the hidden states (`speculators.data_generation.vllm_client`) "
         "and its trainer targets an accelerator (`torch.accelerator`, FSDP); it was not run here, so there is no "
         "side-by-side training time or accepted length.\n\n"
-        + "Commands: " + "; ".join(f"`{c}`" for c in commands) + f" (with `OMP_NUM_THREADS={args.threads}`), then "
-        f"`compound validate --model {MODEL} --heads OUT --prompts {args.prompts} --max-new-tokens {args.new_tokens} "
-        f"--categories all,code,non-english` (all by `python benchmarks/heads_eagle.py`)."
+        + f"Command: `{command_line()}`"
     )
     print(table, phase_table, stack_table, sep="\n\n")
     if not args.no_write:

@@ -37,8 +37,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from commands import train_heads_argv  # noqa: E402
 from decode import make_checkpoint  # noqa: E402
-from report import cpu_name, markdown_table, update_section  # noqa: E402
+from report import command_line, cpu_name, markdown_table, update_section  # noqa: E402
 
 CACHE = ROOT / "benchmarks" / ".cache"
 MODEL = "smollm2-135m"
@@ -87,17 +88,23 @@ def output_dir(name: str) -> Path:
     return CACHE / ("heads-vs-peers-" + name.replace("compound ", "").replace(", ", "-").replace(" ", "-"))
 
 
-def train_command(args, name: str, variant: dict) -> list[str]:
-    """The ``compound train-heads`` command of one variant (what a user types): ``evals`` checkpoint evaluations,
-    the last at the last step (the peers' budget run evaluates once, at the end, as the peers keep their last)."""
+def heads_job(args, name: str, variant: dict):
+    """The ``train-heads`` job of one variant: ``evals`` checkpoint evaluations, the last at the last step (the peers'
+    budget run evaluates once, at the end, as the peers keep their last)."""
+    from toolkit.heads.options import DataOptions, EagleOptions, SelectOptions
+    from toolkit.heads.train import TrainConfig
+    from toolkit.train_heads import HeadsJob
+
     every = max(1, variant["steps"] // variant["evals"])
-    return ["compound", "train-heads", "--model", variant["target"], "--head", "eagle3", "-o", str(output_dir(name)),
-            "--work-dir", str(variant["work"]), "--loss", variant["loss"], "--samples", str(args.samples),
-            "--max-len", str(args.max_len), "--distill-tokens", "128", "--draft-vocab", str(args.draft_vocab),
-            "--aux-layers", args.aux_layers, "--ttt-steps", str(args.ttt_steps), "--depth", "5", "--top-k", "4",
-            "--draft-tokens", "8", "--steps", str(variant["steps"]), "--batch-size", "8", "--micro-batch-size", "4",
-            "--lr", str(args.lr), "--warmup-steps", str(variant["warmup"]), "--eval-every", str(every),
-            "--save-every", str(every), "--eval-prompts", "3", "--eval-tokens", "48", "--overwrite"]
+    return HeadsJob(model=variant["target"], output=output_dir(name), head="eagle3", work_dir=variant["work"],
+                    overwrite=True,
+                    eagle=EagleOptions(aux_layers=tuple(map(int, args.aux_layers.split(","))),
+                                       draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, loss=variant["loss"],
+                                       depth=5, top_k=4, draft_tokens=8),
+                    data=DataOptions(samples=args.samples, max_len=args.max_len, distill_tokens=128),
+                    train=TrainConfig(lr=args.lr, warmup_steps=variant["warmup"], steps=variant["steps"], batch_size=8,
+                                      micro_batch_size=4, eval_every=every, save_every=every),
+                    select=SelectOptions(eval_prompts=3, eval_tokens=48))
 
 
 def peer_command(args, peer: str) -> list[str]:
@@ -215,17 +222,13 @@ def main() -> None:
     runs = variants(args)
     chosen = args.only.split(";") if args.only else [*runs, *PEERS]
     rss = json.loads(RSS_FILE.read_text()) if RSS_FILE.is_file() else {}
-    commands = []
     for name, variant in runs.items():
-        command = train_command(args, name, variant)
-        commands.append(" ".join(command).replace(f"{ROOT}/", ""))
         if not args.reuse and name in chosen:
             started = time.perf_counter()
-            rss[name] = run_measured(command, args.threads)
+            rss[name] = run_measured(train_heads_argv(heads_job(args, name, variant)), args.threads)
             RSS_FILE.write_text(json.dumps(rss, indent=1))
             print(f"{name}: trained in {time.perf_counter() - started:.0f} s, peak RSS {rss[name]:.2f} GiB", flush=True)
     for peer in PEERS:
-        commands.append(" ".join(peer_command(args, peer)).replace(f"{ROOT}/", ""))
         if not args.reuse and peer in chosen and (ROOT / ".venvs" / peer).is_dir():
             rss[peer] = run_measured(peer_command(args, peer), args.threads, check=False)  # largest process of its tree
             RSS_FILE.write_text(json.dumps(rss, indent=1))
@@ -299,8 +302,7 @@ def main() -> None:
         + (f"Peers that did not train here:\n\n{failure_table}\n\n" if failures else "")
         + f"Both levers: the W4 target (RTN W4 g64) drafted by the head trained on the float target and by the one "
         f"trained on the W4 target's own answers and hidden states:\n\n{w4_table}\n\n"
-        + "Commands: " + "; ".join(f"`{c}`" for c in commands) + f" (with `OMP_NUM_THREADS={args.threads}`); all by "
-        f"`python benchmarks/heads_vs_peers.py --samples {args.samples} --steps {args.steps}`."
+        + f"Command: `{command_line()}`"
     )
     print(table, failure_table, w4_table, sep="\n\n")
     if not args.no_write:
@@ -310,14 +312,7 @@ def main() -> None:
 def _timings(args, name: str, variant: dict) -> dict:
     """``timings.json`` of a variant's training run (data + hidden states, training, total seconds), found where
     ``train-heads`` keeps it (``HeadsJob.train_dir``)."""
-    from toolkit.heads.options import EagleOptions
-    from toolkit.train_heads import HeadsJob
-
-    eagle = EagleOptions(aux_layers=tuple(map(int, args.aux_layers.split(","))), draft_vocab=args.draft_vocab,
-                         ttt_steps=args.ttt_steps, loss=variant["loss"])
-    job = HeadsJob(model=variant["target"], output=output_dir(name), head="eagle3", eagle=eagle,
-                   work_dir=variant["work"])
-    path = job.train_dir / "timings.json"
+    path = heads_job(args, name, variant).train_dir / "timings.json"
     return json.loads(path.read_text()) if path.is_file() else {}
 
 

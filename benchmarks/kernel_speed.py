@@ -32,9 +32,9 @@ import sys
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import cpu_name, update_section  # noqa: E402
+from report import command_line, cpu_name, update_section  # noqa: E402
 
-from toolkit.runtime.cpu_int4 import available_kernels, int4_mm_cpu, prepare_int4_cpu  # noqa: E402
+from toolkit.runtime.cpu_int4 import KERNELS, available_kernels, int4_mm_cpu, prepare_int4_cpu  # noqa: E402
 
 # (linear, in_features K, out_features N); q/o and k/v and gate/up share shapes.
 SHAPES = {
@@ -213,11 +213,15 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--m", nargs="+", type=int, default=[1, 16], help="rows of x (tokens per call)")
     parser.add_argument("--repeats", type=int, default=9, help="timed calls per measurement (median reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--kernels", nargs="+", default=available_kernels(), choices=available_kernels(),
+    parser.add_argument("--kernels", nargs="+", default=None, choices=KERNELS,
                         help="CPU int4 kernels to time (default: every one this machine runs, fastest first)")
     parser.add_argument("--write", metavar="PATH", help="replace the --section section of this markdown file")
     parser.add_argument("--section", default="Kernels", help="the section --write replaces")
     args = parser.parse_args(argv)
+    runs = available_kernels()  # after parsing: --help builds nothing
+    if missing := [kernel for kernel in args.kernels or () if kernel not in runs]:
+        parser.error(f"--kernels {' '.join(missing)}: not built on this machine; it runs {' '.join(runs)}")
+    args.kernels = args.kernels or runs
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -230,10 +234,8 @@ def main(argv: list[str] | None = None) -> str:
     else:
         parts.append("GPU: no CUDA device in this run (none was lent to the task that wrote it), so the Triton "
                      "kernels' GPU table is still to be measured; they are tested under TRITON_INTERPRET=1.")
-    command = " ".join(argv if argv is not None else sys.argv[1:])
     capability = os.environ.get("ATEN_CPU_CAPABILITY")
-    prefix = f"ATEN_CPU_CAPABILITY={capability} " if capability else ""
-    parts.insert(0, f"Command: `{prefix}python benchmarks/kernel_speed.py {command}`")
+    parts.insert(0, f"Command: `{command_line(f'ATEN_CPU_CAPABILITY={capability}' if capability else '')}`")
     markdown = "\n\n".join(parts)
     print(markdown)
     if args.write:

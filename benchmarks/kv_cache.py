@@ -27,8 +27,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from commands import quantize_argv  # noqa: E402
 from decode import loop_perplexity  # noqa: E402
-from report import markdown_table, update_section  # noqa: E402
+from report import command_line, markdown_table, update_section  # noqa: E402
 
 MODEL = "smollm2-135m"
 
@@ -43,14 +44,17 @@ def main() -> None:
     args = parser.parse_args()
 
     from toolkit.calibration import eval_windows
+    from toolkit.quant.configs import make_config
+    from toolkit.quantize import CalibrationSpec, QuantizeSettings
     from toolkit.quant.kv_cache import int8_decode_scales
     from toolkit.runtime.load import load_quantized, read_manifest
 
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp) / "w4-kv-int8"
-        command = ["compound", "quantize", "--model", MODEL, "--method", "rtn", "--bits", "4", "--group-size", "64",
-                   "--kv-cache", "int8", "--kv-cache-strategy", args.strategy, "--samples", str(args.samples),
-                   "--seq-len", str(args.seq_len), "--output", str(checkpoint)]
+        command = quantize_argv(make_config("rtn", bits=4, group_size=64),
+                                CalibrationSpec(samples=args.samples, seq_len=args.seq_len),
+                                QuantizeSettings(kv_cache="int8", kv_cache_strategy=args.strategy), model=MODEL,
+                                output=checkpoint)
         subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         model, tokenizer = load_quantized(checkpoint, torch.float32, backend="reference")
         scales = int8_decode_scales(model, read_manifest(checkpoint))
@@ -64,8 +68,7 @@ def main() -> None:
                       (f"INT8, calibrated static scales ({args.strategy})", calibrated)):
         rows.append([name, f"{ppl:.3f}", f"{ppl - float_ppl:+.3f}"])
     table = markdown_table(["KV cache", "perplexity", "Δ vs float"], rows)
-    body = (f"`python benchmarks/kv_cache.py --windows {args.windows} --seq-len {args.seq_len} --samples "
-            f"{args.samples} --strategy {args.strategy}`: SmolLM2-135M-Instruct W4 g64 RTN with INT8 KV-cache scales "
+    body = (f"Command: `{command_line()}`\n\nSmolLM2-135M-Instruct W4 g64 RTN with INT8 KV-cache scales "
             f"calibrated on {args.samples}×{args.seq_len} ShareGPT tokens; held-out perplexity through compound's "
             f"decode loop on {args.windows}×{args.seq_len} tokens (eval split), the W4 linears on the dequantized "
             f"reference.\n\n{table}\n\nOne static scale per layer costs perplexity where a scale per token and head "

@@ -34,7 +34,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from report import markdown_table, update_section  # noqa: E402
+from commands import quantize_argv  # noqa: E402
+from report import command_line, markdown_table, update_section  # noqa: E402
 
 MODEL = "smollm2-135m"
 CACHE = ROOT / "benchmarks" / ".cache" / "gguf"
@@ -42,7 +43,7 @@ PYTHON = ROOT / ".venvs" / "llamacpp" / "bin" / "python"
 JUDGE = ROOT / "tests" / "integration" / "llamacpp_judge.py"
 LLAMACPP_TYPES = ("Q4_0", "Q4_1", "Q4_K_M", "Q8_0")
 METHODS = ("rtn", "gptq", "awq", "awq+gptq")
-GRIDS = {"Q4_0": "--sym", "Q4_1": "--asym"}
+GRIDS = {"Q4_0": True, "Q4_1": False}  # GGUF block type → compound's symmetric grid (Q4_1 has a minimum)
 
 
 def judge(*args: str) -> dict:
@@ -59,10 +60,14 @@ def compound_file(method: str, block: str, args, make: bool = True) -> Path:
     directory = CACHE / name
     gguf_file = directory / f"{name}-{block}.gguf"
     if make and not (args.reuse and gguf_file.is_file()):
-        subprocess.run(["compound", "quantize", "--model", MODEL, "--method", method, "--bits", "4", "--group-size",
-                        "32", GRIDS[block], "--samples", str(args.samples), "--seq-len", str(args.seq_len), "--gguf",
-                        "--threads", str(args.quantize_threads or args.threads), "--output", str(directory),
-                        "--overwrite"],
+        from toolkit.engine.threads import ThreadSettings
+        from toolkit.quant.configs import make_config
+        from toolkit.quantize import CalibrationSpec
+
+        config = make_config(method, bits=4, group_size=32, sym=GRIDS[block], gguf=True)
+        calibration = CalibrationSpec(samples=args.samples, seq_len=args.seq_len)
+        threads = ThreadSettings(threads=str(args.quantize_threads or args.threads))
+        subprocess.run(quantize_argv(config, calibration, threads, model=MODEL, output=directory),
                        check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return gguf_file
 
@@ -141,9 +146,7 @@ def main() -> None:
     k_m = measured["llama.cpp Q4_K_M"][3] - base
     quiet = (f"measured beside {args.beside}: not a quiet machine, so the tok/s column is indicative only (the load "
              f"changed during the run)" if args.beside else "nothing else running")
-    body = (f"`python benchmarks/llamacpp_gguf.py --windows {args.windows} --seq-len {args.seq_len} --samples "
-            f"{args.samples} --threads {args.threads} --grids {args.grids}{' --reuse' if args.reuse else ''}"
-            f"{' --cached-only' if args.cached_only else ''}`: SmolLM2-135M-Instruct, every file "
+    body = (f"Command: `{command_line()}`\n\nSmolLM2-135M-Instruct, every file "
             f"scored by llama.cpp (llama-cpp-python 0.3.36 built from source) on the same {args.windows}×{args.seq_len} held-out ShareGPT tokens; compound "
             f"quantized W4 g32 on {args.samples}×{args.seq_len} calibration tokens and wrote its own codes "
             f"(`quantize --gguf`); llama.cpp's quantizer started from compound's F32 export. tok/s: llama.cpp greedy, "

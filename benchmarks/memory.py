@@ -13,6 +13,7 @@ calibration each row used (group size 64 for SmolLM2, whose width 576 is not a m
 Every run's rows are kept in ``benchmarks/memory_results.json`` (keyed by model, method and mode, with the command
 that measured them), and the section in BENCHMARKS.md is the table of all of them, so runs of different sizes add up.
 
+    python benchmarks/memory.py                 # every run of the section (PLAN), then the section
     python benchmarks/memory.py [--size smollm2|small|1b|3b] [--method gptq|rtn] [--modes stream,memory]
                                 [--samples 8] [--seq-len 512] [--batch-size 8] [--no-write]
 """
@@ -33,6 +34,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from commands import quantize_argv  # noqa: E402
 from random_llama import SIZES, make_model  # noqa: E402
 from report import cpu_name, markdown_table, update_section  # noqa: E402
 
@@ -43,10 +45,12 @@ RESULTS = ROOT / "benchmarks" / "memory_results.json"
 def run_quantize(model: Path, output: Path, method: str, stream: bool, samples: int, seq_len: int,
                  batch_size: int, group_size: int) -> dict:
     """Quantize in a subprocess; its peak RSS (MiB), wall time (s) and the memory estimate it printed."""
-    command = ["compound", "quantize", "--model", str(model), "-o", str(output), "--method", method, "--bits", "4",
-               "--group-size", str(group_size), "--samples", str(samples), "--seq-len", str(seq_len), "--overwrite",
-               "--batch-size", str(batch_size),
-               "--stream" if stream else "--no-stream"]
+    from toolkit.quant.configs import make_config
+    from toolkit.quantize import CalibrationSpec, QuantizeSettings
+
+    command = quantize_argv(make_config(method, bits=4, group_size=group_size),
+                            CalibrationSpec(samples=samples, seq_len=seq_len),
+                            QuantizeSettings(stream=stream, batch_size=batch_size), model=model, output=output)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "COLUMNS": "400"}
     started = time.perf_counter()
     child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -75,9 +79,15 @@ def decode_check(output: Path, new_tokens: int = 8) -> str:
     return f"ok, {stats.new_tokens / stats.total_s:.1f} tok/s"
 
 
+# The section's runs (size, method, modes, samples, seq_len, batch_size): ``python benchmarks/memory.py`` makes them
+# all; the 3B's GPTQ runs take one calibration sequence per layer forward, to fit beside the 3B in memory.
+PLAN = (("smollm2", "gptq", "stream,memory", 8, 512, 8), ("small", "gptq", "stream,memory", 8, 512, 8),
+        ("3b", "gptq", "stream,memory", 8, 512, 1), ("3b", "rtn", "stream,memory", 8, 512, 8))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", choices=SIZES, default="small")
+    parser.add_argument("--size", choices=SIZES, default=None, help="one model (default: every run of the section)")
     parser.add_argument("--method", choices=("gptq", "rtn"), default="gptq")
     parser.add_argument("--modes", default="stream,memory", help="comma-separated: stream, memory")
     parser.add_argument("--samples", type=int, default=8)
@@ -87,34 +97,44 @@ def main() -> None:
                         "results file alone")
     args = parser.parse_args()
 
-    model = make_model(args.size)
-    disk = sum(p.stat().st_size for p in model.glob("*.safetensors"))
-    group_size = 64 if args.size == "smollm2" else 128
+    plan = PLAN if args.size is None else \
+        [(args.size, args.method, args.modes, args.samples, args.seq_len, args.batch_size)]
     measured = {}
-    for mode in args.modes.split(","):
-        output = CACHE / f"{args.size}-{args.method}-{mode}"
-        run = run_quantize(model, output, args.method, mode == "stream", args.samples, args.seq_len, args.batch_size,
-                           group_size)
-        calibration = "none" if args.method == "rtn" else f"{args.samples}×{args.seq_len}, batch {args.batch_size}"
-        row = {"model": args.size, "disk_bytes": disk, "method": args.method, "mode": mode, "group_size": group_size,
+    for run in plan:
+        measured |= measure(*run)
+        if not args.no_write:  # read now and write after every run: a long plan keeps what it measured
+            results = {**(json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}), **measured}
+            RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    if not args.no_write:
+        write_section(json.loads(RESULTS.read_text()))
+
+
+def measure(size: str, method: str, modes: str, samples: int, seq_len: int, batch_size: int) -> dict:
+    """Quantize ``size`` with ``method`` in each of ``modes`` and check the output decodes: the rows, by key."""
+    model = make_model(size)
+    disk = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    group_size = 64 if size == "smollm2" else 128
+    command = (f"python benchmarks/memory.py --size {size} --method {method} --modes {modes} --samples {samples} "
+               f"--seq-len {seq_len} --batch-size {batch_size}")
+    measured = {}
+    for mode in modes.split(","):
+        output = CACHE / f"{size}-{method}-{mode}"
+        run = run_quantize(model, output, method, mode == "stream", samples, seq_len, batch_size, group_size)
+        calibration = "none" if method == "rtn" else f"{samples}×{seq_len}, batch {batch_size}"
+        row = {"model": size, "disk_bytes": disk, "method": method, "mode": mode, "group_size": group_size,
                "calibration": calibration, "peak_mib": run["peak_mib"], "seconds": round(run["seconds"]),
-               "decode": decode_check(output), "estimate_gib": run["estimate"],
-               "command": "python benchmarks/memory.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
-               "cpu": cpu_name()}
+               "decode": decode_check(output), "estimate_gib": run["estimate"], "command": command,
+               "date": time.strftime("%Y-%m-%d"), "cpu": cpu_name()}
         print(markdown_table(COLUMNS, [_cells(row)]), flush=True)
-        measured[f"{args.size}/{args.method}/{mode}"] = row
+        measured[f"{size}/{method}/{mode}"] = row
         shutil.rmtree(output, ignore_errors=True)
-    if args.no_write:
-        return
-    results = {**(json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}), **measured}  # read now: runs overlap
-    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
-    write_section(results)
+    return measured
 
 
 def write_section(results: dict) -> None:
     """The BENCHMARKS.md section: every row of ``results``, smallest model first."""
     rows = sorted(results.values(), key=lambda r: (r["disk_bytes"], r["method"], r["mode"] != "stream"))
-    body = ("Rows from `benchmarks/memory_results.json`, each measured by the command in its last column, on "
+    body = ("Command: `python benchmarks/memory.py`\n\nRows from `benchmarks/memory_results.json`, each measured by the command in its last column, on "
             "the CPU after its date, OMP_NUM_THREADS=1. W4 of bf16 shards (g128; g64 for SmolLM2); peak RSS as the quantize "
             "process reports it (its VmHWM); \"RSS / disk\" against the bf16 size on disk; the decode check loads "
             "the output and decodes greedily through compound's loop (8 tokens after a 6-token prompt; checks dated "

@@ -31,8 +31,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from commands import quantize_argv  # noqa: E402
 from moe_upcycle import DEFAULT_OUT as MODEL_DIR, build  # noqa: E402
-from quantize_vs_peers import VENVS, compound_flags, recorded, timed  # noqa: E402
+from quantize_vs_peers import VENVS, compound_config, recorded, timed  # noqa: E402
 from report import cpu_name, markdown_table, update_section  # noqa: E402
 
 from toolkit.evaluate.divergence import Divergence, divergence, paired_nll_difference  # noqa: E402
@@ -58,12 +59,12 @@ def run_compound(method: str, moe: str | None, args, runs: Path) -> tuple[str, P
         return label, out, *recorded(log)
     if args.reuse and failed(log):  # ran and failed: report it, do not run it again
         raise subprocess.CalledProcessError(1, "compound quantize")
-    flags = compound_flags("rtn-asym" if method == "rtn" else method, GPTQ_OPTIONS)
-    if moe:
-        flags += ["--moe-calibration", moe]
-    command = ["compound", "quantize", "--model", str(MODEL_DIR), *flags, "--bits", "4", "--group-size", "64",
-               "--samples", str(args.samples), "--seq-len", str(args.seq_len), "--threads", "1",
-               "--output", str(out), "--overwrite"]
+    from toolkit.engine.threads import ThreadSettings
+    from toolkit.quantize import CalibrationSpec
+
+    config = compound_config("rtn-asym" if method == "rtn" else method, GPTQ_OPTIONS, moe_calibration=moe)
+    command = quantize_argv(config, CalibrationSpec(samples=args.samples, seq_len=args.seq_len),
+                            ThreadSettings(threads="1"), model=MODEL_DIR, output=out)
     return label, out, *timed(command, log)
 
 

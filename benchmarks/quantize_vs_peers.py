@@ -27,7 +27,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from report import markdown_table, update_section  # noqa: E402
+from commands import quantize_argv  # noqa: E402
+from report import command_line, markdown_table, update_section  # noqa: E402
 
 from toolkit.evaluate.divergence import divergence, paired_nll_difference  # noqa: E402
 
@@ -50,16 +51,18 @@ def recorded(log: Path) -> tuple[float, float]:
     return float(seconds), int(kib) / 1024
 
 
-def compound_flags(method: str, gptq: set[str]) -> list[str]:
-    """``compound quantize`` options of a benchmark method name."""
+def compound_config(method: str, gptq: set[str], **options):
+    """compound's W4 g64 config of a benchmark method name (``rtn-asym``: RTN on the asymmetric grid); ``gptq``:
+    the GPTQ options every tool gets (asym, act-order)."""
+    from toolkit.quant.configs import make_config
+
     if method in ("rtn", "rtn-asym"):
-        return ["--method", "rtn", "--asym" if method == "rtn-asym" else "--sym"]
-    flags = ["--method", method]
+        return make_config("rtn", bits=4, group_size=64, sym=method == "rtn", **options)
     if method == "gptq":
-        flags.append("--asym" if "asym" in gptq else "--sym")
+        options["sym"] = "asym" not in gptq
     if method in ("gptq", "awq+gptq") and "act-order" in gptq:
-        flags.append("--act-order")
-    return flags
+        options["act_order"] = True
+    return make_config(method, bits=4, group_size=64, **options)
 
 
 def run_compound(method: str, args, runs: Path) -> tuple[Path, float, float]:
@@ -67,9 +70,10 @@ def run_compound(method: str, args, runs: Path) -> tuple[Path, float, float]:
     log = runs / f"compound-{method}.log"
     if args.reuse and (out / "config.json").exists():  # written last, by the atomic rename of the checkpoint
         return out, *recorded(log)
-    command = ["compound", "quantize", "--model", str(FLOAT_DIR), *compound_flags(method, args.gptq_options),
-               "--bits", "4", "--group-size", "64", "--samples", str(args.samples), "--seq-len", str(args.seq_len),
-               "--output", str(out), "--overwrite"]
+    from toolkit.quantize import CalibrationSpec
+
+    command = quantize_argv(compound_config(method, args.gptq_options),
+                            CalibrationSpec(samples=args.samples, seq_len=args.seq_len), model=FLOAT_DIR, output=out)
     seconds, rss = timed(command, log)
     return out, seconds, rss
 
@@ -77,9 +81,7 @@ def run_compound(method: str, args, runs: Path) -> tuple[Path, float, float]:
 def run_peer(peer: str, method: str, calib: Path, runs: Path, gptq: set[str], reuse: bool) -> tuple[Path, float, float]:
     out = runs / f"{peer}-{method}"
     log = runs / f"{peer}-{method}.log"
-    if reuse:
-        if not (out / "result.json").exists():  # the runner writes it last, after the dequantized copy
-            raise FileNotFoundError(f"no finished run in {out} to reuse")
+    if reuse and (out / "result.json").exists():  # the runner writes it last, after the dequantized copy
         return out / "dequantized", *recorded(log)
     python = VENVS / peer / "bin" / "python"
     command = [str(python), str(ROOT / "benchmarks" / "peers" / f"run_{peer}.py"), "--model", str(FLOAT_DIR),
@@ -126,10 +128,12 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--windows", type=int, default=80)
+    parser.add_argument("--section", default="Quantization vs peers", help="the BENCHMARKS.md section written (the "
+                        "symmetric-grid history of 2026-11-29 is its own section)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     parser.add_argument("--reuse", action="store_true",
                         help="take every finished run in benchmarks/.cache/runs (checkpoint or dequantized copy, and "
-                             "its /usr/bin/time record) instead of running it again: scoring only")
+                             "its /usr/bin/time record) instead of running it again; a missing run is run")
     args = parser.parse_args()
     args.gptq_options = set(filter(None, args.gptq.split(",")))
 
@@ -137,7 +141,8 @@ def main() -> None:
     from toolkit.models import load_model, load_tokenizer
     from toolkit.runtime.load import load_quantized
 
-    runs = CACHE / "runs"
+    default_gptq = args.gptq_options == {"asym", "act-order"}
+    runs = CACHE / ("runs" if default_gptq else f"runs-gptq-{'-'.join(sorted(args.gptq_options)) or 'sym'}")
     runs.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer("smollm2-135m")
     calib = CACHE / f"calib_{args.samples}x{args.seq_len}.pt"
@@ -159,9 +164,6 @@ def main() -> None:
                 continue
             try:
                 out, seconds, rss = run_peer(peer, method, calib, runs, args.gptq_options, args.reuse)
-            except FileNotFoundError as missing:
-                failures.append(f"- {peer} {method}: {missing}")
-                continue
             except subprocess.CalledProcessError:
                 log = runs / f"{peer}-{method}.log"
                 failures.append(f"- {peer} {method} failed: `{log.read_text().strip().splitlines()[-1]}`")
@@ -182,9 +184,7 @@ def main() -> None:
     columns = ["tool", "method", "wall s", "peak RSS MiB", "perplexity", "Δ vs float", "KL (nats)", "top-1 agree"]
     table = markdown_table(columns, rows)
     base_ppl = raw[0]["base_perplexity"] if raw else float("nan")
-    body = (f"Command: `python benchmarks/quantize_vs_peers.py --methods {args.methods} --peers {args.peers} "
-            f"--gptq {args.gptq} --samples {args.samples} --seq-len {args.seq_len} --windows {args.windows}"
-            f"{' --reuse' if args.reuse else ''}`\n\n"
+    body = (f"Command: `{command_line()}`\n\n"
             f"SmolLM2-135M-Instruct, W4 g64, {args.samples}×{args.seq_len} ShareGPT calibration tokens (the same file "
             f"for every tool), {args.windows}×{args.seq_len} held-out windows ({raw[0]['tokens'] if raw else 0} "
             f"scored tokens); float perplexity {base_ppl:.3f}. 2 CPU threads each. GPTQ for every tool: "
@@ -192,7 +192,7 @@ def main() -> None:
     print(body)
     (CACHE / "quantize_vs_peers.json").write_text(json.dumps(raw, indent=2))
     if not args.no_write:
-        update_section("Quantization vs peers", body)
+        update_section(args.section, body)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import platform
 import re
+import shlex
+import sys
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "BENCHMARKS.md"
 HEADER = "# Benchmarks\n\nEvery table below is written by a script under `benchmarks/`; each section names its command.\n"
 
 
@@ -36,3 +39,19 @@ def cpu_name() -> str:
         if line.startswith("model name"):
             return f"{line.split(':', 1)[1].strip()} ({len(os.sched_getaffinity(0))} cores)"
     return platform.machine()
+
+
+def command_line(env: str = "") -> str:
+    """The one command that regenerates a section: this script as it was run (``python benchmarks/NAME.py ARGS``),
+    after ``env`` (variables it needs, ``ATEN_CPU_CAPABILITY=avx2``), as the section states it."""
+    script = Path(sys.argv[0]).resolve()
+    script = script.relative_to(ROOT) if script.is_relative_to(ROOT) else script
+    return " ".join([*([env] if env else []), "python", str(script), *map(_quoted, sys.argv[1:])])
+
+
+def _quoted(word: str) -> str:
+    """``word`` as a shell reads it back: bare when it can be, else in single quotes, or in double quotes when it
+    holds a single quote (a section title such as "Kernels (torch's op ...)")."""
+    if "'" not in word or shlex.quote(word) == word:
+        return shlex.quote(word)
+    return '"' + "".join("\\" + c if c in '\\"$`' else c for c in word) + '"'

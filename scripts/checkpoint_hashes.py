@@ -4,6 +4,7 @@ A refactor must leave these bit-identical. Record the hashes before the change, 
 
     python scripts/checkpoint_hashes.py --write hashes.json      # before
     python scripts/checkpoint_hashes.py --check hashes.json      # after: exit 1 on any differing tensor
+    python scripts/checkpoint_hashes.py                          # print each checkpoint's tensors and hash only
 
 Every run quantizes SmolLM2-135M-Instruct (embedded GGUF) at W4 g64 with 16×256 ShareGPT calibration tokens (the
 same seed), through the ``compound quantize`` command line, so it measures exactly what users run.
@@ -59,7 +60,7 @@ def run_all() -> dict[str, dict[str, str]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    mode = parser.add_mutually_exclusive_group(required=True)
+    mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--write", type=Path, help="Write the hashes to this JSON file.")
     mode.add_argument("--check", type=Path, help="Compare with the hashes in this JSON file.")
     args = parser.parse_args()
@@ -69,6 +70,7 @@ def main() -> int:
         print(f"{name:9s} {len(hashes):4d} tensors  sha256 {combined}")
     if args.write:
         args.write.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    if not args.check:
         return 0
     expected = json.loads(args.check.read_text())
     differing = [f"{run}: {tensor}" for run in expected for tensor in sorted(set(expected[run]) | set(results[run]))

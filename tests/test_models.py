@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from conftest import refused, tiny_model
 from toolkit.cli import app
-from toolkit.engine.loop import LayerSession, capture_layer_inputs
+from toolkit.engine.session import LayerSession, capture_layer_inputs
 from toolkit.models import ModelError, decoder_layers, layer_linears, load_model, load_tokenizer
 from toolkit.quant.configs import RTNConfig
 

@@ -16,8 +16,9 @@ import torch
 
 from toolkit.engine import devices, distributed, memory
 from toolkit.engine.devices import device_option
-from toolkit.engine.loop import Progress, capture_layer_inputs, check_finite_weights, input_widths, quantize_layers
+from toolkit.engine.loop import Progress, check_finite_weights, input_widths, quantize_layers
 from toolkit.engine.resume import LayerCheckpoints
+from toolkit.engine.session import capture_layer_inputs
 from toolkit.engine.shards import is_safetensors_dir
 from toolkit.engine.streaming import StreamedLayers, outer_names, outer_tensors, stream_model
 from toolkit.formats import AUTO, LAYOUTS, compressed_tensors, resolve

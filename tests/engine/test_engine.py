@@ -2,7 +2,8 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from toolkit.engine.loop import ActivationError, LayerSession, quantize_layers
+from toolkit.engine.loop import quantize_layers
+from toolkit.engine.session import ActivationError, LayerSession
 from toolkit.methods import driver_for
 from toolkit.quant.configs import ConfigError, GPTQConfig, RTNConfig
 from toolkit.quant.primitives import quantize_rtn
@@ -114,7 +115,7 @@ def test_gptq_replay_gives_the_same_weights_without_recomputing_attention(arch, 
 def test_replay_needs_a_parent_whose_output_is_the_linear_output():
     model = tiny_model("llama", vocab=128)
     tokens = torch.randint(0, 128, (2, 8))
-    from toolkit.engine.loop import capture_layer_inputs
+    from toolkit.engine.session import capture_layer_inputs
     from toolkit.models import layer_linears
     layer = model.model.layers[0]
     session = LayerSession(0, layer, capture_layer_inputs(model, tokens, 2), GPTQConfig(group_size=32),

@@ -111,7 +111,8 @@ def test_metadata_carries_what_llama_cpp_reads(tmp_path, tiny_llama_dir, smol_to
 def test_push_publishes_the_gguf_beside_the_checkpoint_and_the_card_says_so(tmp_path, tiny_llama_dir):
     import yaml
 
-    from toolkit.hub import artifact_files, model_card
+    from toolkit.hub import artifact_files
+    from toolkit.model_card import model_card
 
     out = _checkpoint(tmp_path, tiny_llama_dir, "rtn", True, "gptq", gguf=True)
     assert "ckpt-Q4_0.gguf" in artifact_files(out)  # what push uploads

@@ -6,7 +6,8 @@ import pytest
 import torch
 import transformers
 
-from toolkit.engine.loop import LayerInputs, quantize_layers
+from toolkit.engine.loop import quantize_layers
+from toolkit.engine.session import LayerInputs
 from toolkit.methods import awq as driver
 from toolkit.methods import driver_for, rtn
 from toolkit.models import arch_spec, decoder_layers

@@ -2,7 +2,8 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from toolkit.engine.loop import ActivationError, quantize_layers
+from toolkit.engine.loop import quantize_layers
+from toolkit.engine.session import ActivationError
 from toolkit.methods import driver_for
 from toolkit.quant.configs import GPTQConfig, RTNConfig
 

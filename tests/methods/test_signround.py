@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 from conftest import refused
 from toolkit.architectures import supporting
 from toolkit.cli import app
-from toolkit.engine.loop import LayerSession, capture_layer_inputs, quantize_layers
+from toolkit.engine.loop import quantize_layers
+from toolkit.engine.session import LayerSession, capture_layer_inputs
 from toolkit.methods import driver_for, signround
 from toolkit.models import decoder_layers, layer_linears
 from toolkit.quant.configs import ConfigError, RTNConfig, SignRoundConfig, make_config

@@ -68,7 +68,8 @@ def push(
     """Publish an artifact with its model card as one commit; the token comes from HF_TOKEN or `hf auth login`."""
     from huggingface_hub import HfApi
 
-    from toolkit.hub import HubError, card_results
+    from toolkit.hub import HubError
+    from toolkit.model_card import card_results
     from toolkit.hub import push as run_push
 
     try:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from toolkit.engine.loop import capture_layer_inputs
+from toolkit.engine.session import capture_layer_inputs
 from toolkit.engine.streaming import read_layer, release_layer, stream_model
 from toolkit.models import ModelError, arch_spec, decoder_layers
 

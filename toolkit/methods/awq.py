@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from toolkit.engine.loop import LayerInputs, LayerSession
+from toolkit.engine.session import LayerInputs, LayerSession
 from toolkit.methods import driver
 from toolkit.quant import awq
 from toolkit.quant.configs import AWQConfig

@@ -19,7 +19,7 @@ tiny salient-channel Llamas, layer-output error 0.12 against 0.09).
 
 from __future__ import annotations
 
-from toolkit.engine.loop import LayerSession
+from toolkit.engine.session import LayerSession
 from toolkit.methods import awq, driver, gptq
 from toolkit.quant.configs import AWQGPTQConfig
 from toolkit.quant.primitives import QuantizedWeight

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from toolkit.engine.distributed import mean_over_ranks
-from toolkit.engine.loop import ActivationError, LayerSession
+from toolkit.engine.session import ActivationError, LayerSession
 from toolkit.methods import driver
 from toolkit.quant.configs import GPTQConfig
 from toolkit.quant.finite import all_finite

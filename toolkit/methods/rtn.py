@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from toolkit.engine.loop import LayerSession
+from toolkit.engine.session import LayerSession
 from toolkit.methods import driver
 from toolkit.quant.configs import RTNConfig
 from toolkit.quant.primitives import QuantizedWeight, quantize_rtn

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call
 
-from toolkit.engine.loop import LayerSession
+from toolkit.engine.session import LayerSession
 from toolkit.methods import driver
 from toolkit.quant.configs import SignRoundConfig
 from toolkit.quant.primitives import QuantizedWeight

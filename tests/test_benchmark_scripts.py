@@ -1,0 +1,95 @@
+"""The benchmark scripts: every one answers ``--help`` (each in a process of its own, as a user runs it), the
+compound command lines they build (``benchmarks/commands.py``) parse back, through the real CLI, into the options
+they were built from, and every section of BENCHMARKS.md states the one command that regenerates it."""
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+
+from toolkit.cli import app, flags
+from toolkit.engine.threads import ThreadSettings
+from toolkit.heads.options import DataOptions, EagleOptions, MedusaOptions, SelectOptions
+from toolkit.heads.train import TrainConfig
+from toolkit.quant.configs import METHODS, make_config
+from toolkit.quantize import CalibrationSpec, QuantizeSettings
+from toolkit.train_heads import HeadsJob
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if 'if __name__ == "__main__":' in p.read_text())
+
+
+def load_commands():
+    spec = importlib.util.spec_from_file_location("benchmark_commands", ROOT / "benchmarks" / "commands.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def parsed(argv: list[str]) -> dict:
+    """The options ``compound`` would run ``argv`` (``["compound", verb, ...]``) with, parsed by the real CLI."""
+    assert argv[0] == "compound"
+    command = typer.main.get_command(app).commands[argv[1]]
+    return command.make_context(argv[1], argv[2:]).params
+
+
+def test_the_scripts_are_found():
+    names = {p.name for p in SCRIPTS}
+    assert {"heads.py", "heads_eagle.py", "heads_vs_peers.py", "decode.py"} <= names
+    assert "report.py" not in names and "commands.py" not in names  # helpers, not scripts
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_every_benchmark_script_answers_help(script):
+    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage:"), done.stdout
+
+
+@pytest.mark.parametrize("head", ["medusa", "eagle3"])
+def test_train_heads_argv_parses_back_into_the_same_job(head, tmp_path):
+    job = HeadsJob(model="smollm2-135m", output=tmp_path / "out", head=head, work_dir=tmp_path / "work",
+                   overwrite=True, medusa=MedusaOptions(num_heads=3, shared_lm_head=True),
+                   eagle=EagleOptions(aux_layers=(2, 15, 27), draft_vocab=8192, ttt_steps=3, loss="ce"),
+                   data=DataOptions(samples=256, max_len=512, distill_tokens=128, self_distill=False),
+                   train=TrainConfig(lr=0.002, warmup_steps=3, steps=30, micro_batch_size=8, eval_every=10),
+                   select=SelectOptions(eval_prompts=3, eval_tokens=48, select_mode="chain"))
+    argv = load_commands().train_heads_argv(job)
+    assert "--dataset-answers" in argv and "--shared-lm-head" in argv and "--aux-layers" in argv
+    assert "--batch-size" not in argv  # a default is left to the CLI
+    options = parsed(argv)
+    again = HeadsJob(model=options["model"], output=options["output"], head=options["head"],
+                     work_dir=options["work_dir"], overwrite=options["overwrite"],
+                     **{name: flags.build(cls, options) for name, cls in HeadsJob.parts().items()})
+    assert again == job
+
+
+def test_quantize_argv_parses_back_into_the_same_config():
+    config = make_config("gptq", bits=4, group_size=64, sym=False, act_order=True)
+    calibration = CalibrationSpec(samples=16, seq_len=256)
+    settings = QuantizeSettings(stream=True, batch_size=1)
+    argv = load_commands().quantize_argv(config, calibration, settings, ThreadSettings(threads="1"),
+                                         model="smollm2-135m", output="out")
+    options = parsed(argv)
+    assert make_config(options["method"], **flags.method_options(METHODS.values(), options)) == config
+    assert flags.build(CalibrationSpec, options) == calibration
+    assert flags.build(QuantizeSettings, options) == settings
+    assert options["threads"] == "1" and options["output"] == Path("out") and options["overwrite"]
+
+
+def test_every_benchmarks_section_states_its_one_command():
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    sections = re.findall(r"^## (.+?)\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert len(sections) > 10
+    for title, body in sections:
+        commands = re.findall(r"^Commands?: (.*)$", body, re.M)
+        assert len(commands) == 1 and not body.count("\nCommands:"), f"{title}: {commands}"
+        scripts = re.findall(r"python (\S+\.py)", commands[0])
+        # "none": a settled experiment whose script was removed, or a one-off diagnosis; it says so
+        assert scripts or commands[0].startswith("none"), title
+        assert all((ROOT / script).is_file() for script in scripts), f"{title}: {scripts}"
