@@ -42,7 +42,7 @@ def cpu_name() -> str:
 
 
 def command_line(env: str = "") -> str:
-    """The one command that regenerates a section: this script as it was run (``python benchmarks/NAME.py ARGS``),
+    """The one command that regenerates a section: this script as it was run (``python benchmarks/<name>.py ARGS``),
     after ``env`` (variables it needs, ``ATEN_CPU_CAPABILITY=avx2``), as the section states it."""
     script = Path(sys.argv[0]).resolve()
     script = script.relative_to(ROOT) if script.is_relative_to(ROOT) else script
