@@ -45,20 +45,20 @@ def _choices(command: str, flag: str) -> set[str] | None:
 
 def _enumerated():
     """(command, flag, the values declared for it) for every enumerated option of the CLI."""
-    from toolkit.cli.evaluate import HEADS_DTYPES
+    from toolkit.evaluate.options import HEADS_DTYPES
     from toolkit.convert import TARGETS
     from toolkit.decode.kv_cache import CACHE_DTYPES
     from toolkit.formats import gguf
-    from toolkit.heads.options import TARGET_DTYPES
+    from toolkit.models import FLOAT_DTYPES
     from toolkit.quant.configs import METHODS
     from toolkit.quantize import QuantizeSettings
 
     settings = {f.name: f.metadata["compound.choices"] for f in QuantizeSettings.__dataclass_fields__.values()}
     return [("quantize", "--dtype", settings["dtype"]), ("quantize", "--format", settings["format"]),
             ("quantize", "--kv-cache", settings["kv_cache"]), ("quantize", "--method", tuple(METHODS)),
-            ("train-heads", "--dtype", TARGET_DTYPES), ("convert", "--format", TARGETS),
+            ("train-heads", "--dtype", FLOAT_DTYPES), ("convert", "--format", TARGETS),
             ("convert", "--outtype", gguf.FLOAT_TYPES),
-            ("decode", "--kv-cache", tuple(CACHE_DTYPES)), ("validate", "--dtype", HEADS_DTYPES)]
+            ("decode", "--kv-cache-dtype", tuple(CACHE_DTYPES)), ("validate", "--dtype", HEADS_DTYPES)]
 
 
 @pytest.mark.parametrize("command, flag, values", _enumerated(), ids=lambda v: v if isinstance(v, str) else None)
@@ -126,10 +126,11 @@ def test_decode_runs_with_a_checkpoints_int8_scales(tmp_path, tiny_llama_dir):
     plain = quantize(str(tiny_llama_dir), RTNConfig(group_size=32), tmp_path / "plain").output
     for checkpoint, cache, scaling in ((scaled, "int8-static", "calibrated scales"), (scaled, "int8", "per-token scales"),
                                        (plain, "int8", "per-token scales")):
-        result = run("decode", "--model", checkpoint, "--prompt", "Hi", "--max-new-tokens", "2", "--kv-cache", cache)
+        result = run("decode", "--model", checkpoint, "--prompt", "Hi", "--max-new-tokens", "2", "--kv-cache-dtype", cache)
         assert result.exit_code == 0, result.output
         assert f"KV cache {cache}, {scaling}" in " ".join(result.output.split())
-    conftest_refused(run("decode", "--model", plain, "--prompt", "Hi", "--kv-cache", "int8-static"), "--kv-cache int8-static",
+    conftest_refused(run("decode", "--model", plain, "--prompt", "Hi", "--kv-cache", "int8-static"),
+                     "--kv-cache-dtype int8-static",
                      "has none")
     model, _ = load_quantized(scaled)
     manifest = read_manifest(scaled)
@@ -137,7 +138,7 @@ def test_decode_runs_with_a_checkpoints_int8_scales(tmp_path, tiny_llama_dir):
     fp8 = {**manifest, "kv_cache": {**manifest["kv_cache"], "dtype": "fp8"}}
     assert int8_decode_scales(model, fp8) is None  # amax / 448 would saturate an INT8 cache
     help_text = " ".join(run("quantize", "--help", COLUMNS="200").output.split())
-    assert "compound decode --kv-cache int8-static" in help_text
+    assert "compound decode --kv-cache-dtype int8-static" in help_text
 
 
 # ---- item 13: torch.load never unpickles arbitrary objects --------------------------------------------------------

@@ -21,18 +21,36 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from toolkit.formats import FORMATS, compressed_tensors, gguf
 from toolkit.formats.checkpoint import MANIFEST, WEIGHTS_INDEX, read_tensors, write_directory
+from toolkit.options import check_choices, option
 from toolkit.quant import kv_cache as kv
 from toolkit.quant.configs import ConfigError, make_config
 from toolkit.quant.primitives import QuantizedWeight
 from toolkit.version import __version__
 
 TARGETS = (*FORMATS, gguf.NAME)  # what ``convert`` writes: the directory layouts, and GGUF files
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """What a user sets for ``compound convert`` (the flags are derived from these fields)."""
+
+    format: str = option(help="Target layout; gguf: one file for llama.cpp (Q4_0 from symmetric 4-bit, Q4_1 from "
+                         "asymmetric 4-bit, Q8_0 from symmetric 8-bit, written from the checkpoint's own codes; group "
+                         "size 32 without act-order, else refused with the reason: nothing is re-rounded).",
+                         choices=TARGETS)
+    outtype: str = option("F16", "--format gguf of a float model: the type of its weights.", choices=gguf.FLOAT_TYPES)
+
+    def __post_init__(self):
+        check_choices(self, ConfigError)
+
+
 _NOT_COPIED = {WEIGHTS_INDEX, "config.json", "quantize_config.json", MANIFEST}  # rewritten, not copied
 
 
@@ -40,20 +58,20 @@ class ConversionError(ConfigError):
     """A conversion the target layout cannot represent exactly; the message says why."""
 
 
-def convert(model: Path | str, fmt: str, output: Path | str, *, overwrite: bool = False, outtype: str = "F16") -> Path:
+def convert(model: Path | str, fmt: str, output: Path | str, *, overwrite: bool = False,
+            outtype: str = ConvertOptions.outtype) -> Path:
     """Re-pack the compound checkpoint ``model`` as ``fmt`` (one of ``TARGETS``) into ``output``. ``gguf`` writes
     one file (``toolkit.gguf_export``; a float ``model`` in ``outtype``).
 
     Steps for a directory layout: 1. read the source's config, manifest and numerics, refuse a target that cannot hold them; 2. read its
     tensors; 3. re-pack every quantized linear, checking the round trip; 4. write the new directory atomically.
     """
+    ConvertOptions(fmt, outtype)  # refuses a target or an outtype outside its choices
     if fmt == gguf.NAME:
         from toolkit.gguf_export import export_gguf
 
         return export_gguf(model, output, outtype, overwrite)
     source, output = Path(model), Path(output)
-    if fmt not in FORMATS:
-        raise ConfigError(f"unknown format {fmt!r}; choose one of {', '.join(TARGETS)}")
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
     config_json, manifest = _read_json(source, "config.json"), _read_json(source, MANIFEST)  # 1

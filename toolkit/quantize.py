@@ -73,7 +73,7 @@ class QuantizeSettings:
     dtype: str = option("float16", "dtype of unquantized tensors and scales: float16 | bfloat16 | float32 (vLLM's "
                         "int4 kernels take half precision only).", choices=FLOAT_DTYPES)
     kv_cache: str | None = option(None, "Also calibrate static KV-cache scales: fp8 (vLLM --kv-cache-dtype fp8; read "
-                                  "from compressed-tensors checkpoints) | int8 (`compound decode --kv-cache "
+                                  "from compressed-tensors checkpoints) | int8 (`compound decode --kv-cache-dtype "
                                   "int8-static` stores its cache with them).",
                                   choices=tuple(kv.QMAX))
     kv_cache_strategy: str = option("tensor", "KV-cache scales per layer (tensor) or per KV head (attn_head).",
