@@ -106,7 +106,7 @@ def test_act_order_groups_are_refused_by_awq(tmp_path, gptq_dir):
 def test_nothing_to_convert_and_unknown_formats_are_refused(tmp_path, gptq_dir):
     with pytest.raises(ConfigError, match="already"):
         convert(gptq_dir, "gptq", tmp_path / "same")
-    with pytest.raises(ConfigError, match="unknown format"):
+    with pytest.raises(ConfigError, match="--format must be one of"):
         convert(gptq_dir, "exl2", tmp_path / "exl2")
     with pytest.raises(FileExistsError, match="--overwrite"):
         convert(gptq_dir, "awq", gptq_dir)

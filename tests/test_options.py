@@ -1,8 +1,9 @@
-"""Every flag of ``compound quantize`` and ``compound train-heads`` is a recipe key of the same name, and back:
-both are derived from the same config dataclasses (``toolkit.options``)."""
+"""Every verb's flags come from its option dataclasses (``toolkit.options``), and every recipe section's keys are the
+fields of the same dataclasses: a flag and a recipe key are one thing by construction, with one name and one default."""
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 from pathlib import Path
 
@@ -12,46 +13,124 @@ from typer.testing import CliRunner
 
 from conftest import refused as conftest_refused
 from toolkit.cli import app
+from toolkit.convert import ConvertOptions
+from toolkit.decode.options import DecodeOptions
+from toolkit.engine.threads import ThreadSettings
+from toolkit.evaluate.options import EvalHeadsOptions, EvalOptions, HeadsCheckOptions, HeldOut
+from toolkit.hub_options import PushOptions
+from toolkit.options import check_choices, flag_for, option, option_fields
+from toolkit.quant.configs import METHODS, MethodChoice
+from toolkit.quantize import CalibrationSpec, QuantizeSettings
 from toolkit.recipes.schema import SECTIONS
+from toolkit.train_heads import HeadsJob
+from toolkit.validate import ValidateOptions
 
-# Flags that act on one command's own run, not on what a recipe step computes: the recipe's top-level model and
-# output, and what the command alone does (replace, evaluate after quantizing, a work directory, a dry run, its
-# threads: `compound run --threads` sets a recipe's).
-COMMAND_ONLY = {
-    "quantize": {"model", "output", "overwrite", "evaluate", "eval_windows", "threads"},
-    "train-heads": {"model", "output", "overwrite", "work_dir", "dry_run", "threads"},
+# Each verb: the dataclasses its flags are derived from, and the flags that are the command's own inputs rather than
+# settings (what it reads and writes: a recipe's top-level model and output, its steps' paths; quantize --eval).
+VERBS = {
+    "quantize": ((MethodChoice, QuantizeSettings, CalibrationSpec, *METHODS.values(), ThreadSettings),
+                 {"model", "output", "overwrite", "evaluate", "eval_windows"}),
+    "train-heads": ((HeadsJob, *HeadsJob.parts().values(), ThreadSettings),
+                    {"model", "output", "overwrite", "work_dir", "dry_run"}),
+    "eval": ((HeldOut, EvalOptions, EvalHeadsOptions, ThreadSettings),
+             {"model", "base", "heads", "output", "overwrite"}),
+    "validate": ((HeldOut, ValidateOptions, HeadsCheckOptions, ThreadSettings), {"model", "heads", "json_out"}),
+    "decode": ((DecodeOptions, ThreadSettings), {"model", "prompt"}),
+    "convert": ((ConvertOptions, ThreadSettings), {"model", "output", "overwrite"}),
+    "push": ((PushOptions,), {"directory", "results"}),
 }
-SECTIONS_OF = {"quantize": ("calibration", "quantize"), "train-heads": ("heads",)}
+# Each recipe section: the dataclasses its keys are, and keys only a recipe has.
+SECTION_SOURCES = {
+    "calibration": ((CalibrationSpec,), set()),
+    "quantize": ((MethodChoice, QuantizeSettings, *METHODS.values()), set()),
+    "heads": ((HeadsJob, *HeadsJob.parts().values()), set()),
+    "evaluate": ((EvalOptions, HeadsCheckOptions), set()),
+    "push": ((PushOptions,), {"heads_repo", "enabled"}),
+}
 
 
-def _flags(command: str) -> set[str]:
+def _flags(command: str) -> dict[str, object]:
+    """The parameters of ``command`` by name, without --help."""
     click_command = typer.main.get_command(app).commands[command]
-    return {p.name for p in click_command.params} - {"help"}
+    return {p.name: p for p in click_command.params if p.name != "help"}
+
+
+def _fields(*classes) -> set[str]:
+    return {f.name for cls in classes for f in option_fields(cls)}
 
 
 def _recipe_keys(section: str) -> set[str]:
     cls = SECTIONS[section]
-    if hasattr(cls, "keys"):
-        return set(cls.keys())
-    import dataclasses
-
-    return {f.name for f in dataclasses.fields(cls)}
+    return set(cls.keys()) if hasattr(cls, "keys") else {f.name for f in dataclasses.fields(cls)}
 
 
-def test_quantize_flags_are_recipe_keys():
-    flags = _flags("quantize") - COMMAND_ONLY["quantize"]
-    keys = set().union(*(_recipe_keys(s) for s in SECTIONS_OF["quantize"]))
-    assert flags == keys
+def test_every_verb_is_covered():
+    assert set(VERBS) == set(typer.main.get_command(app).commands) - {"run"}  # run's flags are the recipe's
 
 
-def test_train_heads_flags_are_recipe_keys():
-    flags = _flags("train-heads") - COMMAND_ONLY["train-heads"]
-    assert flags == _recipe_keys("heads")
+@pytest.mark.parametrize("verb", VERBS)
+def test_a_verbs_flags_are_its_dataclass_fields(verb):
+    classes, own = VERBS[verb]
+    assert set(_flags(verb)) - own == _fields(*classes)
 
 
-def test_command_only_flags_exist():
-    for command, names in COMMAND_ONLY.items():
-        assert names <= _flags(command), command
+@pytest.mark.parametrize("verb", [v for v in VERBS if v != "quantize"])  # quantize's method options: flags.py
+def test_a_flags_default_and_spelling_are_its_fields(verb):
+    flags = _flags(verb)
+    for cls in VERBS[verb][0]:
+        for f in option_fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else None
+            if isinstance(default, tuple):  # a repeatable flag's list, or a comma-separated one
+                default = list(default) if flags[f.name].multiple else ",".join(map(str, default))
+            assert flags[f.name].default in (default, ...) or flags[f.name].required, (verb, f.name)
+            assert flag_for(f) in flags[f.name].opts, (verb, f.name)
+
+
+@pytest.mark.parametrize("section", SECTION_SOURCES)
+def test_a_recipe_sections_keys_are_the_same_fields(section):
+    classes, own = SECTION_SOURCES[section]
+    assert _recipe_keys(section) - own == _fields(*classes)
+
+
+def test_recipe_and_cli_share_each_default():
+    """A recipe section's default is the verb's: the section *is* the dataclass, so `windows` is eval's 8."""
+    evaluate, push = SECTIONS["evaluate"](), SECTIONS["push"](repo="me/model")
+    for cls in (EvalOptions, HeadsCheckOptions):
+        assert dataclasses.asdict(cls()) == {k: getattr(evaluate, k) for k in _fields(cls)}
+    assert dataclasses.asdict(PushOptions("me/model")) == {k: getattr(push, k) for k in _fields(PushOptions)}
+    assert evaluate.windows == EvalOptions().windows == 8
+
+
+def test_one_name_per_setting_across_verbs():
+    """A setting several verbs take has one name and one default: the tokens a verb decodes per prompt."""
+    assert DecodeOptions().max_new_tokens == HeadsCheckOptions().max_new_tokens == EvalHeadsOptions().head_tokens
+    renamed = {"new_tokens", "repo_id", "heads_repo_id"}  # the recipe keys that spelled a verb's setting differently
+    assert not renamed & set().union(*(_recipe_keys(s) for s in SECTIONS if s != "gates"))
+
+
+@pytest.mark.parametrize("cls, values, message", [
+    (MethodChoice, {"method": "hqq"}, "--method must be one of rtn, gptq, awq, awq+gptq, got 'hqq'"),
+    (ConvertOptions, {"format": "exl2"}, "--format must be one of gptq, awq, compressed-tensors, gguf, got 'exl2'"),
+    (DecodeOptions, {"kv_cache_dtype": "fp8"}, "--kv-cache-dtype must be one of float, int8, int8-static, got 'fp8'"),
+    (HeadsCheckOptions, {"categories": ("prose", "poetry")}, "--categories must be one of all, prose, code, "
+                                                              "non-english, structured, got 'poetry'"),
+    (HeadsCheckOptions, {"dtype": "float16"}, "--dtype must be one of bfloat16, float32, got 'float16'"),
+    (EvalOptions, {"windows": 0}, "--windows must be >= 1, got 0"),
+])
+def test_options_refuse_a_value_naming_the_flag(cls, values, message):
+    with pytest.raises(ValueError) as err:
+        cls(**values)
+    assert str(err.value) == message and err.value.option == next(iter(values))
+
+
+def test_check_choices_checks_each_element_of_a_tuple():
+    @dataclasses.dataclass(frozen=True)
+    class Sets:
+        names: tuple[str, ...] = option(("a",), "Names.", choices=("a", "b"))
+
+    check_choices(Sets(("a", "b")))
+    with pytest.raises(ValueError, match="--names must be one of a, b, got 'c'"):
+        check_choices(Sets(("a", "c")))
 
 
 WIDTH = 80
@@ -79,19 +158,19 @@ def _choices(command: str, flag: str) -> set[str] | None:
 
 def _enumerated():
     """(command, flag, the values declared for it) for every enumerated option of the CLI."""
-    from toolkit.cli.evaluate import HEADS_DTYPES
     from toolkit.decode.kv_cache import CACHE_DTYPES
+    from toolkit.evaluate.options import HEADS_DTYPES
     from toolkit.formats import FORMATS, gguf
-    from toolkit.heads.options import TARGET_DTYPES
+    from toolkit.models import FLOAT_DTYPES
     from toolkit.quant.configs import METHODS
     from toolkit.quantize import QuantizeSettings
 
     settings = {f.name: f.metadata["compound.choices"] for f in QuantizeSettings.__dataclass_fields__.values()}
     return [("quantize", "--dtype", settings["dtype"]), ("quantize", "--format", settings["format"]),
             ("quantize", "--kv-cache", settings["kv_cache"]), ("quantize", "--method", tuple(METHODS)),
-            ("train-heads", "--dtype", TARGET_DTYPES), ("convert", "--format", tuple(FORMATS)),
+            ("train-heads", "--dtype", FLOAT_DTYPES), ("convert", "--format", tuple(FORMATS)),
             ("convert", "--outtype", gguf.FLOAT_TYPES),
-            ("decode", "--kv-cache", tuple(CACHE_DTYPES)), ("validate", "--dtype", HEADS_DTYPES)]
+            ("decode", "--kv-cache-dtype", tuple(CACHE_DTYPES)), ("validate", "--dtype", HEADS_DTYPES)]
 
 
 @pytest.mark.parametrize("command, flag, values", _enumerated(), ids=lambda v: v if isinstance(v, str) else None)

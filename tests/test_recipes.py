@@ -36,7 +36,7 @@ model: {model}
 output: {output}
 calibration: {{dataset: sharegpt, samples: 4, seq_len: 64}}
 quantize: {{method: rtn, bits: 4, group_size: 32}}
-evaluate: {{windows: 2, seq_len: 64, generation_tokens: 4, prompts: 2, new_tokens: 6}}
+evaluate: {{windows: 2, seq_len: 64, generation_tokens: 4, prompts: 2, max_new_tokens: 6}}
 heads:
   num_heads: 2
   samples: 4
@@ -58,7 +58,7 @@ gates:
   min_top1_agreement: 0.1
   max_kl: {max_kl}
   min_accepted_length: 1.0
-push: {{repo_id: compound-test/tiny, tags: [test]}}
+push: {{repo: compound-test/tiny, tags: [test]}}
 """
 
 
@@ -126,12 +126,17 @@ BASE = "model: smollm2-135m\nquantize:\n  method: rtn\n  bits: 4\n  group_size: 
     (BASE + "  act_order: true\n", 6, "quantize.act_order: act_order is a GPTQ option"),
     (BASE + "heads:\n  head: hydra\n", 7, "heads.head: "),
     (BASE + "  device: tpu\n", 6, "quantize.device: --device must be one of auto, cpu, cuda"),
-    (BASE + "heads:\n  device: gpu\n", 7, "heads.device: 'gpu' is not supported; must be one of auto, cpu, cuda"),
+    (BASE + "heads:\n  device: gpu\n", 7, "heads.device: --device must be one of auto, cpu, cuda, got 'gpu'"),
     (BASE + "heads:\n  head: eagle3\n  aux_layers: [2, x]\n", 8, "heads.aux_layers: expected a list of integers"),
     (BASE + "heads:\n  batch_size: 6\n  micro_batch_size: 4\n", 7, "heads.batch_size: batch_size must be a multiple"),
-    (BASE + "push:\n  private: true\n", 6, "push: repo_id is required"),
-    (BASE + "push:\n  repo_id: no-owner\n", 7, "push.repo_id: must be owner/name"),
-    (BASE + "push:\n  repo_id: a/b\n  tags: demo\n", 8, "push.tags: expected a list of strings, got 'demo'"),
+    (BASE + "push:\n  private: true\n", 6, "push: repo is required"),
+    (BASE + "push:\n  repo: no-owner\n", 7, "push.repo: must be owner/name"),
+    (BASE + "push:\n  repo: a/b\n  tags: demo\n", 8, "push.tags: expected a list of strings, got 'demo'"),
+    (BASE + "push:\n  repo: a/b\n  repo_id: a/c\n", 8, "push.repo_id: renamed repo, and push.repo is given too"),
+    (BASE + "evaluate:\n  windows: 0\n", 7, "evaluate.windows: must be >= 1, got 0"),
+    (BASE + "evaluate:\n  dtype: float16\n", 7, "evaluate.dtype: must be one of bfloat16, float32, got 'float16'"),
+    (BASE + "evaluate:\n  categories: [code]\n", 7, "evaluate.categories: must include all"),
+    (BASE + "gates:\n  accepted_length_mode: beam\n", 7, "gates.accepted_length_mode: must be one of tree, chain"),
     ("model: smollm2-135m\nheads: {}\ngates:\n  max_kl: 0.1\n", 4, "gates.max_kl: measures the quantized model, "
                                                                     "and the recipe has no quantize section"),
     ("quantize: {method: rtn}\n", 1, "model: is required"),
@@ -149,10 +154,27 @@ def test_schema_errors_name_the_line_and_the_key(tmp_path, text, line, message):
 
 def test_defaults_and_yaml_floats(tmp_path):
     path = tmp_path / "mine.yaml"
-    path.write_text(BASE + "heads:\n  lr: 1e-3\npush:\n  repo_id: me/model\n")  # YAML 1.1 reads 1e-3 as text
+    path.write_text(BASE + "heads:\n  lr: 1e-3\npush:\n  repo: me/model\n")  # YAML 1.1 reads 1e-3 as text
     recipe = load_recipe(path)
     assert recipe.heads.parts["train"].lr == 0.001 and recipe.output == Path("out/mine") and recipe.source == path
-    assert recipe.push.heads_repo(recipe.heads.head) == "me/model-medusa" and recipe.gates.lossless_required
+    assert recipe.push.heads_repo_for(recipe.heads.head) == "me/model-medusa" and recipe.gates.lossless_required
+    assert recipe.evaluate.windows == 8  # compound eval's default
+
+
+def test_renamed_keys_are_read_with_a_warning_naming_the_new_key(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text(BASE + "heads: {}\nevaluate:\n  new_tokens: 9\npush:\n  repo_id: me/model\n"
+                           "  heads_repo_id: me/heads\n")
+    with pytest.warns(FutureWarning) as caught:
+        recipe = load_recipe(path)
+    messages = [str(w.message) for w in caught]
+    assert messages == [f"{path}:8: evaluate.new_tokens: deprecated, renamed max_new_tokens (the verbs' option "
+                        "name); it is read as evaluate.max_new_tokens",
+                        f"{path}:10: push.repo_id: deprecated, renamed repo (the verbs' option name); it is read as "
+                        "push.repo",
+                        f"{path}:11: push.heads_repo_id: deprecated, renamed heads_repo (the verbs' option name); it "
+                        "is read as push.heads_repo"]
+    assert (recipe.evaluate.max_new_tokens, recipe.push.repo, recipe.push.heads_repo) == (9, "me/model", "me/heads")
 
 
 def test_the_device_is_a_key_outside_the_fingerprints(tmp_path):

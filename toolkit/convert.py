@@ -21,16 +21,32 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from toolkit.formats import FORMATS, LAYOUTS, compressed_tensors
+from toolkit.formats import FORMATS, LAYOUTS, compressed_tensors, gguf
 from toolkit.formats.checkpoint import MANIFEST, WEIGHTS_INDEX, read_tensors, write_directory
+from toolkit.options import check_choices, option
 from toolkit.quant import kv_cache as kv
 from toolkit.quant.configs import ConfigError, make_config
 from toolkit.quant.primitives import QuantizedWeight
 from toolkit.version import __version__
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """What a user sets for ``compound convert`` (the flags are derived from these fields)."""
+
+    format: str = option(help="Target layout; gguf: one file for llama.cpp (Q4_0 from symmetric 4-bit, Q4_1 from "
+                         "asymmetric 4-bit, Q8_0 from symmetric 8-bit, written from the checkpoint's own codes; group "
+                         "size 32 without act-order, else refused with the reason: nothing is re-rounded).",
+                         choices=tuple(FORMATS))
+    outtype: str = option("F16", "--format gguf of a float model: the type of its weights.", choices=gguf.FLOAT_TYPES)
+
+    def __post_init__(self):
+        check_choices(self, ConfigError)
+
 
 _NOT_COPIED = {WEIGHTS_INDEX, "config.json", "quantize_config.json", MANIFEST}  # rewritten, not copied
 
@@ -39,15 +55,15 @@ class ConversionError(ConfigError):
     """A conversion the target layout cannot represent exactly; the message says why."""
 
 
-def convert(model: Path | str, fmt: str, output: Path | str, *, overwrite: bool = False, outtype: str = "F16") -> Path:
+def convert(model: Path | str, fmt: str, output: Path | str, *, overwrite: bool = False,
+            outtype: str = ConvertOptions.outtype) -> Path:
     """Re-pack the compound checkpoint ``model`` as ``fmt`` (one of ``FORMATS``) into ``output``. A format that is
     one file (GGUF) is written by ``toolkit.gguf_export`` (a float ``model`` in ``outtype``).
 
     Steps for a directory layout: 1. read the source's config, manifest and numerics, refuse a target that cannot hold them; 2. read its
     tensors; 3. re-pack every quantized linear, checking the round trip; 4. write the new directory atomically.
     """
-    if fmt not in FORMATS:
-        raise ConfigError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    ConvertOptions(fmt, outtype)  # refuses a target or an outtype outside its choices
     if not FORMATS[fmt].CHECKPOINT:
         from toolkit.gguf_export import export_gguf
 

@@ -37,9 +37,9 @@ from toolkit.formats.checkpoint import (
     write_metadata,
 )
 from toolkit.methods import driver_for, error_measure
-from toolkit.models import arch_spec, check_seq_len, decoder_layers, empty_model, load_model, load_tokenizer
+from toolkit.models import FLOAT_DTYPES, arch_spec, check_seq_len, decoder_layers, empty_model, load_model, load_tokenizer
 from toolkit.experts import hub_name, hub_tensors
-from toolkit.options import check_choices, option
+from toolkit.options import check_choices, flag_name, option
 from toolkit.quant import kv_cache as kv
 from toolkit.quant.configs import ConfigError, WeightQuantConfig, methods_that
 from toolkit.rotate import rotate_model
@@ -58,8 +58,7 @@ class CalibrationSpec:
     def __post_init__(self):
         for name, least in (("samples", 1), ("seq_len", 2)):
             if getattr(self, name) < least:
-                raise ConfigError(f"{name} must be >= {least}, got {getattr(self, name)} "
-                                  f"(--{name.replace('_', '-')})")
+                raise ConfigError(f"{name} must be >= {least}, got {getattr(self, name)} ({flag_name(name)})")
 
     def check_source(self) -> None:
         """Refuse, before any work, a source that cannot be read: a missing file or directory, an unsupported
@@ -79,9 +78,9 @@ class QuantizeSettings:
     format: str = option(AUTO, "Checkpoint layout: auto | gptq | awq | compressed-tensors (auto: gptq when symmetric, "
                          "awq when asymmetric 4-bit).", choices=(AUTO, *LAYOUTS), flag="--format")
     dtype: str = option("float16", "dtype of unquantized tensors and scales: float16 | bfloat16 | float32 (vLLM's "
-                        "int4 kernels take half precision only).", choices=("float16", "bfloat16", "float32"))
+                        "int4 kernels take half precision only).", choices=FLOAT_DTYPES)
     kv_cache: str | None = option(None, "Also calibrate static KV-cache scales: fp8 (vLLM --kv-cache-dtype fp8; read "
-                                  "from compressed-tensors checkpoints) | int8 (`compound decode --kv-cache "
+                                  "from compressed-tensors checkpoints) | int8 (`compound decode --kv-cache-dtype "
                                   "int8-static` stores its cache with them).",
                                   choices=tuple(kv.QMAX))
     kv_cache_strategy: str = option("tensor", "KV-cache scales per layer (tensor) or per KV head (attn_head).",
@@ -169,7 +168,7 @@ def quantize(
     layout, fmt_reason = resolve(fmt, config)
     fmt = layout.NAME
     layout.check_supported(config)  # 1
-    _check_kv_cache(kv_cache, kv_cache_strategy, fmt)
+    _check_kv_cache(kv_cache, fmt)
     if stream and kv_cache:
         raise ConfigError("--kv-cache needs the in-memory mode for now: run without --stream")
     if stream and config.rotate != "none":
@@ -472,14 +471,9 @@ def _cache_keyword(layer: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(layer.forward).parameters else "past_key_values"
 
 
-def _check_kv_cache(kv_cache: str | None, strategy: str, fmt: str) -> None:
-    """Refuse KV-cache settings before any work, naming the way out."""
-    if kv_cache is None:
-        return
-    if kv_cache not in kv.QMAX:
-        raise ConfigError(f"--kv-cache must be one of {', '.join(kv.QMAX)}, got {kv_cache!r}")
-    if strategy not in kv.STRATEGIES:
-        raise ConfigError(f"KV-cache strategy must be one of {', '.join(kv.STRATEGIES)}, got {strategy!r}")
+def _check_kv_cache(kv_cache: str | None, fmt: str) -> None:
+    """Refuse KV-cache settings the format cannot hold, before any work, naming the way out (the values themselves are
+    ``QuantizeSettings``' choices, checked when it was made)."""
     if kv_cache == "int8" and fmt == compressed_tensors.NAME:
         raise ConfigError("compressed-tensors declares KV scales in kv_cache_scheme, and vLLM refuses any but FP8 "
                           "(num_bits 8, type float); use --kv-cache fp8 to serve them, or --format gptq / awq to "

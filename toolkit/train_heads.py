@@ -56,7 +56,7 @@ from toolkit.heads.hidden_states import (
     finish_hidden_cache,
     write_hidden_shards,
 )
-from toolkit.heads.kinds import KINDS, HeadKind, kind_named
+from toolkit.heads.kinds import KINDS, HeadKind
 from toolkit.heads.options import DataOptions, EagleOptions, MedusaOptions, SelectOptions
 from toolkit.heads.train import TrainConfig, train
 from toolkit.identity import target_identity, weights_sha256
@@ -85,8 +85,7 @@ class HeadsJob:
     overwrite: bool = False
 
     def __post_init__(self):
-        kind_named(self.head)  # "--head 'x' is not supported; choose one of ..."
-        check_choices(self)  # "--device must be one of auto, cpu, cuda, got ..."
+        check_choices(self)  # "--head must be one of medusa, eagle, eagle3, got 'x'", and --device likewise
 
     @staticmethod
     def parts() -> dict[str, type]:

@@ -42,8 +42,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from toolkit.evaluate.options import HeldOut
 from toolkit.formats import Scheme, read_quantization_config
 from toolkit.formats.checkpoint import MANIFEST, tensor_files, verify_manifest
+from toolkit.options import option
 from toolkit.quant.finite import all_finite
 from toolkit.quant.configs import describe_act_order
 from toolkit.runtime.load import CheckpointError
@@ -106,8 +108,21 @@ class ValidationReport:
         return {**asdict(self), "ok": self.ok}
 
 
-def validate(directory: Path | str, *, dataset: str = "sharegpt", windows: int = 2, seq_len: int = 64,
-             triton_layers: int | None = None, triton_tokens: int | None = None,
+@dataclass(frozen=True)
+class ValidateOptions:
+    """What a user sets for ``compound validate`` of a checkpoint (the flags are derived from these fields)."""
+
+    windows: int = option(2, "Held-out windows run on every path.")
+    seq_len: int = option(64, "Tokens per window (at most 256, where cpu-int4 hands over to the reference).")
+    triton_layers: int | None = option(None, "Decoder layers run on the Triton kernels (default: all on CUDA, "
+                                       f"{INTERPRETER_LAYERS} under the CPU interpreter).")
+    triton_tokens: int | None = option(None, "Tokens of window 0 run on Triton (default: all on CUDA, "
+                                       f"{INTERPRETER_TOKENS} under the CPU interpreter).")
+
+
+def validate(directory: Path | str, *, dataset: str = HeldOut.dataset, windows: int = ValidateOptions.windows,
+             seq_len: int = ValidateOptions.seq_len, triton_layers: int | None = None,
+             triton_tokens: int | None = None,
              say: Callable[[str], None] = lambda _: None, progress: Phase | None = None) -> ValidationReport:
     """Check ``directory``'s bytes, run its held-out tokens on every runtime path, and preview serving.
 

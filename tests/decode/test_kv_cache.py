@@ -62,15 +62,16 @@ def test_decode_runs_with_a_checkpoints_int8_scales(tmp_path, tiny_llama_dir):
     plain = quantize(str(tiny_llama_dir), RTNConfig(group_size=32), tmp_path / "plain").output
     for checkpoint, cache, scaling in ((scaled, "int8-static", "calibrated scales"), (scaled, "int8", "per-token scales"),
                                        (plain, "int8", "per-token scales")):
-        result = run("decode", "--model", checkpoint, "--prompt", "Hi", "--max-new-tokens", "2", "--kv-cache", cache)
+        result = run("decode", "--model", checkpoint, "--prompt", "Hi", "--max-new-tokens", "2", "--kv-cache-dtype",
+                     cache)
         assert result.exit_code == 0, result.output
         assert f"KV cache {cache}, {scaling}" in " ".join(result.output.split())
-    conftest_refused(run("decode", "--model", plain, "--prompt", "Hi", "--kv-cache", "int8-static"), "--kv-cache int8-static",
-                     "has none")
+    conftest_refused(run("decode", "--model", plain, "--prompt", "Hi", "--kv-cache", "int8-static"),
+                     "--kv-cache-dtype int8-static", "has none")
     model, _ = load_quantized(scaled)
     manifest = read_manifest(scaled)
     torch.testing.assert_close(int8_decode_scales(model, manifest), decode_scales(model))
     fp8 = {**manifest, "kv_cache": {**manifest["kv_cache"], "dtype": "fp8"}}
     assert int8_decode_scales(model, fp8) is None  # amax / 448 would saturate an INT8 cache
     help_text = " ".join(run("quantize", "--help", COLUMNS="200").output.split())
-    assert "compound decode --kv-cache int8-static" in help_text
+    assert "compound decode --kv-cache-dtype int8-static" in help_text

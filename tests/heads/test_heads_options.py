@@ -35,13 +35,13 @@ def test_every_option_has_help_and_a_unique_name():
     (lambda: EagleOptions(loss="mse"), "--loss must be one of kl, ce, got 'mse'"),
     (lambda: EagleOptions(top_k=0), "--draft-vocab, --ttt-steps, --depth, --top-k and --draft-tokens must be >= 1"),
     (lambda: DataOptions(samples=0), "need --samples >= 1 and --max-len >= 8, got 0 and 1024"),
-    (lambda: DataOptions(dtype="int8"), "--dtype must be bfloat16, float16 or float32, got 'int8'"),
+    (lambda: DataOptions(dtype="int8"), "--dtype must be one of float16, bfloat16, float32, got 'int8'"),
     (lambda: DataOptions(batch_tokens=0), "--batch-tokens must be >= 1"),
     (lambda: DataOptions(stream_target=True), "--stream-target runs the target one layer at a time"),
     (lambda: SelectOptions(select_mode="beam"), "--select-mode must be one of tree, chain, got 'beam'"),
-    (lambda: TrainConfig(train_dtype="fp16"), "train_dtype must be 'fp32' or 'bf16', got 'fp16'"),
+    (lambda: TrainConfig(train_dtype="fp16"), "--train-dtype must be one of fp32, bf16, got 'fp16'"),
     (lambda: TrainConfig(steps=0), "steps must be >= 1, got 0"),
-    (lambda: HeadsJob(model="m", output=Path("o"), head="hydra"), "--head 'hydra' is not supported"),
+    (lambda: HeadsJob(model="m", output=Path("o"), head="hydra"), "--head must be one of medusa, eagle, eagle3, got 'hydra'"),
 ])
 def test_each_class_refuses_its_own_values(make, message):
     with pytest.raises(ValueError) as err:

@@ -26,8 +26,8 @@ def test_demo_recipe_runs_and_pushes(hub, tmp_path):  # noqa: F811
     steps = {s["name"]: s["status"] for s in summary["steps"]}
     assert set(steps.values()) == {"ran"} and list(steps)[-1] == "push", steps
     push = yaml.safe_load((root / RECIPE).read_text())["push"]
-    checkpoint_files = hub.files(push["repo_id"])
-    heads_files = hub.files(push["heads_repo_id"])
+    checkpoint_files = hub.files(push["repo"])
+    heads_files = hub.files(push["heads_repo"])
     assert "compound.json" in checkpoint_files and "config.json" in heads_files
     card = checkpoint_files["README.md"].decode()
     assert card.startswith("---\n") and "perplexity" in card.lower()

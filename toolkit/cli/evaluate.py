@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
@@ -14,36 +15,23 @@ from toolkit.cli import flags
 from toolkit.cli.common import app, console, fail, progress_bar, start, user_errors
 from toolkit.cli.render import fit
 from toolkit.engine.threads import ThreadSettings
-from toolkit.evaluate.acceptance import CATEGORIES
-from toolkit.evaluate.suite import WINDOWS_PER_SLICE
-
-HEADS_DTYPES = ("float32", "bfloat16")  # the target's dtypes the decode loop of --heads runs in
-HeadsDtype = flags.choice(HEADS_DTYPES)
+from toolkit.evaluate.options import EvalHeadsOptions, EvalOptions, HeadsCheckOptions, HeldOut
+from toolkit.validate import ValidateOptions
 
 
 @app.command("eval")
-@flags.derived(ThreadSettings)
+@flags.derived(HeldOut, EvalOptions, EvalHeadsOptions, ThreadSettings)
 def evaluate(
     ctx: typer.Context,
     model: str = typer.Option(..., help="A compound checkpoint directory, or any model spec (float)."),
     base: Optional[str] = typer.Option(None, help="The model to compare with (e.g. the float original): KL, agreement, perplexity ratios."),
     heads: Optional[Path] = typer.Option(None, help="Medusa or EAGLE heads trained for --model: accepted length per slice."),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Report directory (eval.json, eval.md, plots); default: <model>.eval next to a checkpoint, else eval-<model>."),
-    dataset: str = typer.Option("sharegpt", help="Held-out source (its eval split)."),
-    windows: int = typer.Option(WINDOWS_PER_SLICE, help="Held-out windows per slice (each perplexity and ratio "
-                                "prints with its 95 % interval over windows)."),
-    seq_len: int = typer.Option(512, help="Tokens per window."),
-    kl_threshold: float = typer.Option(1.0, help="Report the share of tokens whose KL(base ‖ model) exceeds this (nats): where the model breaks."),
-    generation: bool = typer.Option(True, "--generation/--no-generation", help="Run the JSON / code / factual generation checks."),
-    new_tokens: int = typer.Option(96, help="Tokens decoded per generation-check prompt."),
-    head_prompts: int = typer.Option(4, help="With --heads: held-out prompts per slice."),
-    head_tokens: int = typer.Option(64, help="With --heads: tokens decoded per prompt."),
     overwrite: bool = typer.Option(False, help="Replace an existing report directory."),
     **options,
 ):
     """Task-level quality on held-out slices (prose, code, non-English, structured), generation checks, accepted
     length per slice; writes eval.json and eval.md."""
-    from toolkit.evaluate.generation import SETS
     from toolkit.evaluate.report import console_tables
     from toolkit.evaluate.suite import evaluate as run_eval
 
@@ -51,11 +39,12 @@ def evaluate(
     path = Path(model)
     output = output or (path.with_name(path.name + ".eval") if path.is_dir() else Path(f"eval-{path.name}"))
     try:
+        settings = flags.build(EvalOptions, options)
         with progress_bar() as bar:
-            report = run_eval(model, output, base=base, heads=heads, dataset=dataset, windows=windows,
-                              seq_len=seq_len, kl_threshold=kl_threshold, generation_sets=SETS if generation else (),
-                              new_tokens=new_tokens, head_prompts=head_prompts, head_tokens=head_tokens,
-                              overwrite=overwrite, say=bar.console.log, progress=phases(bar))
+            report = run_eval(model, output, base=base, heads=heads, dataset=flags.build(HeldOut, options).dataset,
+                              options=settings,
+                              heads_options=flags.build(EvalHeadsOptions, options), overwrite=overwrite,
+                              say=bar.console.log, progress=phases(bar))
     except user_errors() as err:
         fail(err)
     for table in console_tables(report):
@@ -84,32 +73,12 @@ def phases(bar):
     return phase
 
 
-def _categories(value: str) -> list[str]:
-    """``--categories``: comma-separated names of ``CATEGORIES``, refused (exit 2) otherwise."""
-    names = [name.strip() for name in value.split(",") if name.strip()]
-    if not names or any(name not in CATEGORIES for name in names):
-        raise typer.BadParameter(f"takes comma-separated prompt sets of {', '.join(CATEGORIES)}, got {value!r}")
-    return names
-
-
 @app.command()
-@flags.derived(ThreadSettings)
+@flags.derived(HeldOut, ValidateOptions, HeadsCheckOptions, ThreadSettings)
 def validate(
     ctx: typer.Context,
     model: str = typer.Option(..., help="A quantized checkpoint directory (GPTQ, AWQ or compressed-tensors); with --heads, the target model (any model spec)."),
     heads: Optional[Path] = typer.Option(None, help="A draft-head directory (from train-heads): measure its accepted length on --model instead."),
-    prompts: int = typer.Option(8, help="With --heads: held-out prompts decoded."),
-    max_new_tokens: int = typer.Option(64, help="With --heads: tokens generated per prompt."),
-    heads_dtype: HeadsDtype = typer.Option("float32", "--dtype",
-                                           help="With --heads: the target's dtype in the decode loop."),
-    categories: str = typer.Option("all", callback=_categories,
-                                   help="With --heads: held-out prompt sets, comma-separated, each reported apart: "
-                                        f"{', '.join(CATEGORIES)}."),
-    dataset: str = typer.Option("sharegpt", help="Held-out source (its eval split)."),
-    windows: int = typer.Option(2, help="Held-out windows run on every path."),
-    seq_len: int = typer.Option(64, help="Tokens per window (at most 256, where cpu-int4 hands over to the reference)."),
-    triton_layers: Optional[int] = typer.Option(None, help="Decoder layers run on the Triton kernels (default: all on CUDA, 1 under the CPU interpreter)."),
-    triton_tokens: Optional[int] = typer.Option(None, help="Tokens of window 0 run on Triton (default: all on CUDA, 16 under the CPU interpreter)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the report to this JSON file."),
     **options,
 ):
@@ -118,21 +87,28 @@ def validate(
     from toolkit.validate import validate as run_validate
 
     start(ctx, options)
+    dataset = flags.build(HeldOut, options).dataset
+    try:
+        if heads is not None:
+            check = flags.build(HeadsCheckOptions, options)  # refused (exit 2) before any work
+        else:
+            settings = flags.build(ValidateOptions, options)
+    except ValueError as err:
+        fail(err)
     if heads is not None:
-        _validate_heads(model, heads, prompts, max_new_tokens, heads_dtype, categories, json_out)
+        _validate_heads(model, heads, check, json_out)
         return
 
     try:
         with progress_bar() as bar:
-            report = run_validate(model, dataset=dataset, windows=windows, seq_len=seq_len,
-                                  triton_layers=triton_layers, triton_tokens=triton_tokens, say=bar.console.log,
+            report = run_validate(model, dataset=dataset, **asdict(settings), say=bar.console.log,
                                   progress=phases(bar))
     except (*user_errors(), ValueError) as err:
         fail(err)
     out = Console()
     out.print(f"manifest: {report.manifest_files} files, SHA-256 intact" if report.manifest_files
               else "manifest: none (compound.json absent), bytes not checked")
-    out.print(fit(paths_table(report, dataset, windows, seq_len)))
+    out.print(fit(paths_table(report, dataset, settings.windows, settings.seq_len)))
     s = report.serving
     out.print(fit(serving_table(s)))
     out.print("serve it with (vLLM on GPU, vLLM on CPU, SGLang):")
@@ -185,18 +161,18 @@ def heads_table(reports, title: str) -> Table:
     return table
 
 
-def _validate_heads(model: str, heads: Path, prompts: int, max_new_tokens: int, dtype: str, categories: list[str],
-                    json_out: Optional[Path]) -> None:
+def _validate_heads(model: str, heads: Path, check: HeadsCheckOptions, json_out: Optional[Path]) -> None:
     import torch
 
     from toolkit.evaluate.acceptance import recommended, validate_heads
 
     try:
-        reports = validate_heads(model, heads, prompts, max_new_tokens, dtype=getattr(torch, dtype),
-                                 categories=categories)
+        reports = validate_heads(model, heads, check.prompts, check.max_new_tokens, dtype=getattr(torch, check.dtype),
+                                 categories=check.categories)
     except (*user_errors(), ValueError) as err:
         fail(err)
-    title = f"heads {heads} drafting for {model} ({dtype}): {prompts} held-out prompts × {max_new_tokens} tokens"
+    title = (f"heads {heads} drafting for {model} ({check.dtype}): {check.prompts} held-out prompts × "
+             f"{check.max_new_tokens} tokens")
     Console().print(fit(heads_table(reports, title)))
     Console().print("break-even length: the accepted length at which a step (draft + verify) costs what plain "
                     "greedy decoding takes for one token; speedup ≈ accepted length / break-even length")

@@ -7,7 +7,8 @@
 
 A field ``seq_len: int = option(512, "Tokens per calibration sequence.")`` becomes ``--seq-len`` with that default and
 help; an enumerated field a ``Literal`` of its choices; a bool ``--name/--no-name`` (or its declared flag); ``tuple[str, ...]``
-a repeatable flag; ``tuple[int, ...]`` comma-separated integers. Method options (fields of the quantization configs)
+a repeatable flag, or comma-separated names when it has choices; ``tuple[int, ...]`` comma-separated integers. A
+field's ``aliases`` (older spellings) are accepted beside its flag. Method options (fields of the quantization configs)
 are the union over every method, each unset by default so that a method keeps its own default; a flag the chosen
 method does not take is refused by ``make_config``.
 """
@@ -23,11 +24,7 @@ from typing import Literal, Optional
 
 import typer
 
-from toolkit.options import choices_of, flag_of, help_of, option_fields
-
-
-def _flag_name(name: str) -> str:
-    return "--" + name.replace("_", "-")
+from toolkit.options import aliases_of, choices_of, flag_name, flag_of, help_of, option_fields
 
 
 def _is_tuple_of(hint, element) -> bool:
@@ -46,27 +43,31 @@ def choice(values) -> type:
     return Literal[tuple(str(v) for v in values if v is not None)]
 
 
+def _comma_separated(hint, choices) -> bool:
+    """A field given as one comma-separated flag: integers, or names among choices (``--categories prose,code``)."""
+    return _is_tuple_of(hint, int) or (_is_tuple_of(hint, str) and bool(choices))
+
+
 def _cli_type(hint, choices):
     """The annotation typer parses a field of type ``hint`` (one of ``choices`` when given) with."""
+    if _comma_separated(hint, choices):
+        return Optional[str]  # its elements are checked by the dataclass's check_choices
     if choices:
         return Optional[choice(choices)]
     if _is_tuple_of(hint, str):
         return list[str]
-    if _is_tuple_of(hint, int):
-        return Optional[str]
     return Optional[_strip_optional(hint)]
 
 
 def _parameter(field: dataclasses.Field, hint, default, help_text: str) -> inspect.Parameter:
     declared = flag_of(field)
-    names = [declared] if declared else []
-    base = _strip_optional(hint)
-    if base is bool and not declared:
-        names = [f"{_flag_name(field.name)}/--no-{field.name.replace('_', '-')}"]
-    if _is_tuple_of(hint, str):
+    names = [declared or flag_name(field.name), *aliases_of(field)]
+    if _strip_optional(hint) is bool and not declared:
+        names = [f"{flag_name(field.name)}/--no-{flag_name(field.name)[2:]}"]
+    if _comma_separated(hint, choices_of(field)):
+        default = ",".join(map(str, default)) if default not in (None, ...) else default
+    elif _is_tuple_of(hint, str):
         default = list(default) if default is not None else []
-    elif _is_tuple_of(hint, int) and default is not None:
-        default = ",".join(map(str, default))
     return inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, annotation=_cli_type(hint, choices_of(field)),
                              default=typer.Option(default, *names, help=help_text))
 
@@ -123,14 +124,16 @@ def value(cls, name: str, raw):
     hint = typing.get_type_hints(cls)[name]
     if raw is None:
         return None
-    if _is_tuple_of(hint, str):
+    if _is_tuple_of(hint, str) and not isinstance(raw, str):
         return tuple(raw)
+    if _is_tuple_of(hint, str):
+        return tuple(part.strip() for part in raw.split(",") if part.strip())
     if _is_tuple_of(hint, int):
         try:
             return tuple(int(part) for part in raw.split(","))
         except ValueError:
             raise typer.BadParameter(f"takes comma-separated integers such as 2,15,27, got {raw!r}",
-                                     param_hint=_flag_name(name)) from None
+                                     param_hint=flag_name(name)) from None
     return raw
 
 

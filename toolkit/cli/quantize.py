@@ -14,26 +14,20 @@ from toolkit.cli import flags
 from toolkit.cli.common import RichProgress, app, console, dir_size, fail, progress_bar, start, user_errors
 from toolkit.cli.render import fit
 from toolkit.decode.kv_cache import CACHE_DTYPES
-from toolkit.engine.devices import DeviceSettings
+from toolkit.convert import ConvertOptions
+from toolkit.decode.options import DecodeOptions
 from toolkit.engine.threads import ThreadSettings
 from toolkit.evaluate.perplexity import EVAL_WINDOWS
-from toolkit.formats import FORMATS, gguf
-from toolkit.quant.configs import DEFAULT_METHOD, METHODS, describe_act_order
+from toolkit.quant.configs import METHODS, MethodChoice, describe_act_order
 from toolkit.quantize import CalibrationSpec, QuantizeSettings
-
-MethodName = flags.choice(METHODS)
-TargetName = flags.choice(FORMATS)
-FloatName = flags.choice(gguf.FLOAT_TYPES)
-CacheName = flags.choice(CACHE_DTYPES)
 
 
 @app.command()
-@flags.derived(QuantizeSettings, CalibrationSpec, ThreadSettings, methods=METHODS.values())
+@flags.derived(MethodChoice, QuantizeSettings, CalibrationSpec, ThreadSettings, methods=METHODS.values())
 def quantize(
     ctx: typer.Context,
     model: str = typer.Option("smollm2-135m", help="Model: alias (smollm2-135m, gemma3-270m), local directory, .gguf file or Hub id."),
     output: Path = typer.Option(..., "--output", "-o", help="Checkpoint directory to create."),
-    method: MethodName = typer.Option(DEFAULT_METHOD, help="Quantization method (awq+gptq: AWQ's scaling, then GPTQ's rounding)."),
     evaluate: bool = typer.Option(False, "--eval", help="Also report held-out perplexity of the result and of the float model."),
     eval_windows: int = typer.Option(EVAL_WINDOWS, help="Held-out windows of --seq-len tokens for --eval (the "
                                      "perplexities print with their 95 % interval over windows)."),
@@ -48,6 +42,7 @@ def quantize(
 
     threads = start(ctx, options)
     try:
+        method = flags.build(MethodChoice, options).method
         config = make_config(method, **flags.method_options(METHODS.values(), options))
         calibration = flags.build(CalibrationSpec, options)
         if evaluate:
@@ -126,17 +121,12 @@ def _check_eval(windows: int, calibration: CalibrationSpec) -> None:
 
 
 @app.command()
-@flags.derived(ThreadSettings)
+@flags.derived(ConvertOptions, ThreadSettings)
 def convert(
     ctx: typer.Context,
     model: str = typer.Option(..., help="A compound checkpoint directory; for --format gguf also any model spec (a "
                                         "float export in --outtype)."),
-    fmt: TargetName = typer.Option(..., "--format", help="Target layout; gguf: one file for llama.cpp (Q4_0 from "
-                                   "symmetric 4-bit, Q4_1 from asymmetric 4-bit, Q8_0 from symmetric 8-bit, written "
-                                   "from the checkpoint's own codes; group size 32 without act-order, else refused "
-                                   "with the reason: nothing is re-rounded)."),
     output: Path = typer.Option(..., "--output", "-o", help="Checkpoint directory (or .gguf file) to create."),
-    outtype: FloatName = typer.Option("F16", help="--format gguf of a float model: the type of its weights."),
     overwrite: bool = typer.Option(False, help="Replace an existing output."),
     **options,
 ):
@@ -146,25 +136,20 @@ def convert(
     start(ctx, options)
 
     try:
-        out = run_convert(model, fmt, output, overwrite=overwrite, outtype=outtype)
+        target = flags.build(ConvertOptions, options)
+        out = run_convert(model, target.format, output, overwrite=overwrite, outtype=target.outtype)
     except user_errors() as err:
         fail(err)
     size = out.stat().st_size if out.is_file() else dir_size(out)
-    console.print(f"wrote {fmt} {'file' if out.is_file() else 'checkpoint'} {out} ({size / 2**20:.1f} MiB)")
+    console.print(f"wrote {target.format} {'file' if out.is_file() else 'checkpoint'} {out} ({size / 2**20:.1f} MiB)")
 
 
 @app.command()
-@flags.derived(ThreadSettings, DeviceSettings)
+@flags.derived(DecodeOptions, ThreadSettings)
 def decode(
     ctx: typer.Context,
     model: str = typer.Option(..., help="A compound checkpoint directory (runs its packed weights), or any model spec (float)."),
     prompt: str = typer.Option(..., help="The user message; rendered with the model's chat template."),
-    max_new_tokens: int = typer.Option(64, help="Tokens to generate at most (stops early at end-of-sequence)."),
-    temperature: float = typer.Option(0.0, help="0: greedy; above 0: sample at this temperature."),
-    kv_cache: CacheName = typer.Option("float", help="KV cache: float (the model dtype) | int8 (scales per token "
-                                       "and head) | int8-static (the checkpoint's calibrated scales, from quantize "
-                                       "--kv-cache int8: what a static-scale engine stores; BENCHMARKS.md)."),
-    seed: int = typer.Option(0, help="Sampling seed."),
     **options,
 ):
     """Generate a reply with compound's decode loop (static KV cache) and print its statistics."""
@@ -179,16 +164,18 @@ def decode(
     threads = start(ctx, options)
     started = time.perf_counter()
     try:
-        sampling = SamplingConfig(temperature, seed=seed) if temperature > 0 else None
-        device = resolve(flags.build(DeviceSettings, options).device)
+        settings = flags.build(DecodeOptions, options)
+        max_new_tokens, temperature, kv_cache = settings.max_new_tokens, settings.temperature, settings.kv_cache_dtype
+        sampling = SamplingConfig(temperature, seed=settings.seed) if temperature > 0 else None
+        device = resolve(settings.device)
         loaded, tokenizer = load_model_or_checkpoint(model, torch.float32)
         loaded.to(device)
         ids = chat_prompt_ids(tokenizer, prompt)
         check_context(loaded.config, len(ids), max_new_tokens)
         scales = int8_decode_scales(loaded, read_manifest(model)) if kv_cache == "int8-static" else None
         if kv_cache == "int8-static" and scales is None:
-            raise ValueError(f"--kv-cache int8-static needs a checkpoint with INT8 KV-cache scales; {model} has none "
-                             "(make one with compound quantize --kv-cache int8, or use --kv-cache int8)")
+            raise ValueError(f"--kv-cache-dtype int8-static needs a checkpoint with INT8 KV-cache scales; {model} has "
+                             "none (make one with compound quantize --kv-cache int8, or use --kv-cache-dtype int8)")
         decoder = Decoder.from_model(loaded, len(ids) + max_new_tokens, CACHE_DTYPES[kv_cache], scales,
                                      fast_head=sampling is None)  # greedy: the argmax is all it reads
         decoder.prepare()  # int4 packing belongs to loading, not to the tokens/s below

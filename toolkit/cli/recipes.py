@@ -15,6 +15,7 @@ from toolkit.cli import flags
 from toolkit.cli.common import app, console, fail, start, user_errors
 from toolkit.cli.render import fit
 from toolkit.engine.threads import ThreadSettings
+from toolkit.hub_options import PushOptions
 
 
 @app.command()
@@ -57,13 +58,11 @@ def _hub_client():
 
 
 @app.command()
+@flags.derived(PushOptions)
 def push(
     directory: Path = typer.Argument(..., help="An artifact directory compound wrote (checkpoint or heads, with compound.json)."),
-    repo: str = typer.Option(..., "--repo", help="Hub repo id, namespace/name; created when missing."),
-    private: bool = typer.Option(False, "--private", help="Create the repo private (an existing repo keeps its visibility)."),
-    revision: Optional[str] = typer.Option(None, help="Branch to commit to (created from main when missing); default main."),
-    tag: list[str] = typer.Option([], "--tag", help="Extra model-card tag; repeatable."),
     results: Optional[Path] = typer.Option(None, help="Measured results (JSON) for the model card's tables (toolkit.hub documents the keys), or an eval.json."),
+    **options,
 ):
     """Publish an artifact with its model card as one commit; the token comes from HF_TOKEN or `hf auth login`."""
     from huggingface_hub import HfApi
@@ -72,9 +71,11 @@ def push(
     from toolkit.model_card import card_results
     from toolkit.hub import push as run_push
 
+    settings = flags.build(PushOptions, options)
     try:
         measured = card_results(json.loads(results.read_bytes())) if results else None
-        out = run_push(HfApi(), directory, repo, private=private, revision=revision, tags=tag, results=measured)
+        out = run_push(HfApi(), directory, settings.repo, private=settings.private, revision=settings.revision,
+                       tags=settings.tags, commit_message=settings.commit_message, results=measured)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         fail(ValueError(f"--results {results}: not valid JSON ({err}); pass an eval.json or a results file"))
     except (HubError, OSError) as err:

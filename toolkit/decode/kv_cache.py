@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 INT8_MAX = 127
-# ``compound decode --kv-cache``: None stores the model dtype; int8 scales each token and head as it is written,
+# ``compound decode --kv-cache-dtype``: None stores the model dtype; int8 scales each token and head as it is written,
 # int8-static uses the static scales a checkpoint calibrated (``quantize --kv-cache int8``)
 CACHE_DTYPES = {"float": None, "int8": torch.int8, "int8-static": torch.int8}
 

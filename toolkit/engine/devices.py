@@ -12,7 +12,6 @@ operations; its checkpoint agrees with the CPU's within rounding, not bit for bi
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 
@@ -26,13 +25,6 @@ def device_option():
     """The ``device`` field of a verb's settings: one declaration of its default, help and choices."""
     return option("auto", "Where the work runs: auto (CUDA when a GPU is present, else the CPU) | cpu | cuda.",
                   choices=DEVICES)
-
-
-@dataclass(frozen=True)
-class DeviceSettings:
-    """The device option alone, for a verb whose other options are not a config dataclass (``compound decode``)."""
-
-    device: str = device_option()
 
 
 def local_cuda() -> torch.device:

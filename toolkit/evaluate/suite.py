@@ -20,39 +20,40 @@ from pathlib import Path
 import torch
 
 from toolkit.calibration.sources import CalibrationError
-from toolkit.evaluate.divergence import KL_EDGES, KL_THRESHOLD, combine, divergence
+from toolkit.evaluate.divergence import KL_EDGES, combine, divergence
 from toolkit.evaluate.generation import SETS, run_checks
-from toolkit.evaluate.perplexity import EVAL_WINDOWS, Perplexity, perplexity, perplexity_interval, ratio_interval
+from toolkit.evaluate.options import EvalHeadsOptions, EvalOptions, HeldOut
+from toolkit.evaluate.perplexity import Perplexity, perplexity, perplexity_interval, ratio_interval
 from toolkit.evaluate.report import SCHEMA, write_report
 from toolkit.evaluate.slices import SLICES, slice_windows
 from toolkit.formats.checkpoint import atomic_directory
 from toolkit.models import ModelError, check_seq_len
-from toolkit.quant.configs import ConfigError
 from toolkit.runtime.load import read_manifest
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
-WINDOWS_PER_SLICE = EVAL_WINDOWS // len(SLICES)
 Phase = Callable[[str, int], Callable[[int], None]]  # (phase, total steps) → what counts the steps done
 
 
 def evaluate(model: str, output: Path | str | None = None, *, base: str | None = None, heads: Path | str | None = None,
-             dataset: str = "sharegpt", windows: int = WINDOWS_PER_SLICE, seq_len: int = 512,
-             kl_threshold: float = KL_THRESHOLD, generation_sets: tuple[str, ...] = SETS, new_tokens: int = 96,
-             head_prompts: int = 4, head_tokens: int = 64, overwrite: bool = False,
+             dataset: str = HeldOut.dataset, options: EvalOptions = EvalOptions(),
+             heads_options: EvalHeadsOptions = EvalHeadsOptions(), overwrite: bool = False,
              say: Callable[[str], None] = lambda _: None, progress: Phase | None = None) -> dict:
     """Evaluate ``model`` (a compound checkpoint or any model spec) and return the report (schema
     ``compound.eval/1``); with ``output``, also write ``eval.json``, ``eval.md`` and the plots there (atomically).
 
-    windows × seq_len: held-out tokens per slice. generation_sets: which prompt sets to run (empty: none).
-    head_prompts × head_tokens: held-out prompts per slice and tokens decoded for ``heads``.
-    say: one line per step; progress(phase, total): starts a phase (scoring a slice, a generation set on a model)
-    and returns what counts its windows or prompts done.
+    options: windows × seq_len held-out tokens per slice of ``dataset``'s eval split, the KL threshold, whether the
+    generation checks run and how many tokens each decodes. heads_options: held-out prompts per slice and tokens
+    decoded for ``heads``. say: one line per step; progress(phase, total): starts a phase (scoring a slice, a
+    generation set on a model) and returns what counts its windows or prompts done.
     """
     from toolkit.runtime.load import load_model_or_checkpoint
 
     if output is not None and Path(output).exists() and not overwrite:
         raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
-    _check_sizes(model, base, windows, seq_len)
+    windows, seq_len, new_tokens = options.windows, options.seq_len, options.generation_tokens
+    generation_sets = SETS if options.generation else ()
+    for spec in filter(None, (model, base)):  # windows longer than either model's context, before any weight loads
+        check_seq_len(spec, seq_len)
     started = time.perf_counter()
     say(f"loading {model}" + (f" and {base}" if base else ""))
     target, tokenizer = load_model_or_checkpoint(model, torch.float32)  # 1
@@ -68,7 +69,7 @@ def evaluate(model: str, output: Path | str | None = None, *, base: str | None =
         raise CalibrationError(f"the eval split of {dataset} fills no {seq_len}-token window; lower --seq-len or pass "
                                "a larger --dataset")
     say("scoring the slices" + (" against the base" if base else ""))
-    slices, scored = _score_slices(target, reference, per_slice, kl_threshold, progress)  # 3
+    slices, scored = _score_slices(target, reference, per_slice, options.kl_threshold, progress)  # 3
     total = combine(scored) if reference is not None else _total_perplexity(scored)
     generation = None
     if generation_sets:
@@ -81,10 +82,10 @@ def evaluate(model: str, output: Path | str | None = None, *, base: str | None =
     acceptance = None
     if heads:
         say(f"measuring {heads} drafting for {model} per slice")
-        acceptance = _acceptance(model, heads, head_prompts, head_tokens)  # 5
+        acceptance = _acceptance(model, heads, heads_options.head_prompts, heads_options.head_tokens)  # 5
     report = {
         "schema": SCHEMA, "model": str(model), "base": base, "heads": str(heads) if heads else None,
-        "dataset": dataset, "seq_len": seq_len, "windows_per_slice": windows, "kl_threshold": kl_threshold,
+        "dataset": dataset, "seq_len": seq_len, "windows_per_slice": windows, "kl_threshold": options.kl_threshold,
         "slices": slices, "overall": _row(total, sum(r["windows"] for r in slices.values()), base is not None),
         "worst_slice": max((n for n in slices if slices[n]["tokens"]), key=lambda n: slices[n]["perplexity_ratio"])
         if base else None,
@@ -97,16 +98,6 @@ def evaluate(model: str, output: Path | str | None = None, *, base: str | None =
         with atomic_directory(Path(output), overwrite) as staging:
             write_report(report, staging)
     return report
-
-
-def _check_sizes(model: str, base: str | None, windows: int, seq_len: int) -> None:
-    """Refuse --windows and --seq-len out of range, and windows longer than either model's context, from their configs
-    before any weight is loaded."""
-    for flag, value, least in (("--windows", windows, 1), ("--seq-len", seq_len, 2)):  # a window predicts seq_len - 1
-        if value < least:
-            raise ConfigError(f"{flag} must be >= {least}, got {value}")
-    for spec in filter(None, (model, base)):
-        check_seq_len(spec, seq_len)
 
 
 def layer_errors(model: str) -> dict | None:

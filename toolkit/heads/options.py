@@ -19,9 +19,9 @@ from toolkit.heads.eagle import LOSSES
 from toolkit.heads.eagle_draft import TreeShape
 from toolkit.heads.medusa import check_medusa_shape
 from toolkit.heads.medusa_export import LAYOUTS, check_layout
+from toolkit.models import FLOAT_DTYPES
 from toolkit.options import check_choices, option
 
-TARGET_DTYPES = ("bfloat16", "float16", "float32")
 SELECT_MODES = ("tree", "chain")
 
 
@@ -103,7 +103,7 @@ class DataOptions:
                                 "dataset's own assistant turns.", flag="--self-distill/--dataset-answers")
     distill_tokens: int = option(256, "Self-distillation: new tokens per answer at most.")
     distill_batch: int = option(16, "Self-distillation: prompts generated together.")
-    dtype: str = option("bfloat16", "Target dtype for self-distillation and hidden states.", choices=TARGET_DTYPES)
+    dtype: str = option("bfloat16", "Target dtype for self-distillation and hidden states.", choices=FLOAT_DTYPES)
     online: bool = option(False, "Compute hidden states while training instead of caching them.")
     stream_target: bool = option(
         False, "Cache the hidden states with the target read one decoder layer at a time from the shards of a local "
@@ -116,9 +116,7 @@ class DataOptions:
     def __post_init__(self):
         if self.samples < 1 or self.max_len < 8:
             raise ValueError(f"need --samples >= 1 and --max-len >= 8, got {self.samples} and {self.max_len}")
-        if self.dtype not in TARGET_DTYPES:
-            raise ValueError(f"--dtype must be {', '.join(TARGET_DTYPES[:-1])} or {TARGET_DTYPES[-1]}, got "
-                             f"{self.dtype!r}")
+        check_choices(self)
         if self.batch_tokens < 1:
             raise ValueError("--batch-tokens must be >= 1")
         if min(self.distill_tokens, self.distill_batch) < 1:

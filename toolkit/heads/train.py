@@ -51,7 +51,7 @@ from torch import nn
 from toolkit.engine import distributed
 from toolkit.engine.devices import local_cuda
 from toolkit.formats.checkpoint import atomic_directory, write_text_atomic
-from toolkit.options import option, option_fields
+from toolkit.options import check_choices, flag_name, option, option_fields
 
 LossFn = Callable[[nn.Module, dict], tuple[torch.Tensor, int, dict[str, float]]]
 CHECKPOINTS = "checkpoints"
@@ -99,8 +99,7 @@ class TrainConfig:
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}{_flag('warmup_steps')}")
         self.check_world(1)
-        if self.train_dtype not in TRAIN_DTYPES:
-            raise ValueError(f"train_dtype must be {' or '.join(map(repr, TRAIN_DTYPES))}, got {self.train_dtype!r}")
+        check_choices(self)
 
     def check_world(self, world: int) -> None:
         """Refuse a global batch that ``world`` ranks cannot split into equal micro-batches."""
@@ -111,7 +110,7 @@ class TrainConfig:
 
 def _flag(name: str) -> str:
     """`` (--name)`` for a field of ``TrainConfig`` that is a ``train-heads`` flag, else nothing."""
-    return f" (--{name.replace('_', '-')})" if name in {f.name for f in option_fields(TrainConfig)} else ""
+    return f" ({flag_name(name)})" if name in {f.name for f in option_fields(TrainConfig)} else ""
 
 
 @dataclass

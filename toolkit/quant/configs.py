@@ -302,6 +302,17 @@ METHODS: dict[str, type[WeightQuantConfig]] = {
 DEFAULT_METHOD = RTNConfig.method  # what `compound quantize` and a recipe without `method` run
 
 
+@dataclass(frozen=True)
+class MethodChoice:
+    """Which method quantizes (``--method``, a recipe's ``quantize.method``); its options are its config's fields."""
+
+    method: str = option(DEFAULT_METHOD, "Quantization method (awq+gptq: AWQ's scaling, then GPTQ's rounding).",
+                         choices=tuple(METHODS))
+
+    def __post_init__(self):
+        check_choices(self, ConfigError)
+
+
 def methods_that(capability: str) -> list[str]:
     """The names of the registered methods whose config declares ``capability`` (``"data_parallel"``, ...)."""
     return [name for name, cls in METHODS.items() if getattr(cls, capability)]
@@ -309,9 +320,7 @@ def methods_that(capability: str) -> list[str]:
 
 def make_config(method: str, **options) -> WeightQuantConfig:
     """Build the config of ``method`` from keyword options, ignoring ``None`` (unset CLI options)."""
-    if method not in METHODS:
-        raise ConfigError(f"unknown method {method!r}; choose one of {', '.join(sorted(METHODS))}")
-    cls = METHODS[method]
+    cls = METHODS[MethodChoice(method).method]  # an unknown method is refused, naming the choices
     known = {f.name for f in fields(cls)}
     unknown = {k for k, v in options.items() if v is not None and k not in known}
     if unknown:

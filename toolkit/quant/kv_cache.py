@@ -25,7 +25,7 @@ Who reads them (vLLM 0.32):
     "unexpected" and ``--kv-cache-dtype fp8`` runs with scale 1.0 (or ``--calculate-kv-scales``). The tensors are
     still written, for compound's own runtime and decode loop, and the manifest records their type.
   * compound: ``load_quantized`` attaches them as buffers of ``self_attn``; ``decode_scales`` turns INT8 ones into
-    the decode loop's ``kv_scales`` [layers, 2], which ``compound decode --kv-cache int8`` runs with.
+    the decode loop's ``kv_scales`` [layers, 2], which ``compound decode --kv-cache-dtype int8`` runs with.
 """
 
 from __future__ import annotations

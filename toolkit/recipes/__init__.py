@@ -13,8 +13,8 @@ Steps, in order, each one call of an existing verb (the steps a recipe has no se
                when there is one (heads are trained against the model they serve), else the float model
 5. heads_eval  ``toolkit.evaluate.acceptance.validate_heads``: accepted length in tree and chain mode, losslessness
 6. gates       thresholds on the numbers above (``check_gates``); a failed gate stops the run before any push
-7. push        ``toolkit.hub.push``: the checkpoint to ``push.repo_id``, the heads to ``push.heads_repo_id``
-               (default ``<repo_id>-medusa``). Two repos, because engines name a speculative model by its own repo
+7. push        ``toolkit.hub.push``: the checkpoint to ``push.repo``, the heads to ``push.heads_repo``
+               (default ``<repo>-medusa``). Two repos, because engines name a speculative model by its own repo
                id (vLLM's ``--speculative-config '{"model": ...}'``). Skipped, saying so, without a Hub client.
 
 Caching: each step's fingerprint is the SHA-256 of its resolved inputs (the settings it reads, not its whole

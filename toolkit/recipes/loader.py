@@ -6,12 +6,14 @@ import dataclasses
 import difflib
 import types
 import typing
+import warnings
 from dataclasses import fields
 from pathlib import Path
 
 import yaml
 
-from toolkit.recipes.schema import SECTIONS, TOP_LEVEL, Recipe, RecipeError, SettingError
+from toolkit.options import flag_name
+from toolkit.recipes.schema import RENAMED, SECTIONS, TOP_LEVEL, Recipe, RecipeError, SettingError
 
 
 def load_recipe(path: Path | str) -> Recipe:
@@ -79,6 +81,7 @@ def _section(cls, data, name: str, fail):
     """Build section ``cls`` from its mapping, checking keys and types, then its own rules."""
     if not isinstance(data, dict):
         raise fail(name, f"expected a mapping of settings, got {data!r}")
+    data = _renamed(data, name, fail)
     if hasattr(cls, "from_mapping"):  # a section built from several dataclasses' fields
         return _composite(cls, data, name, fail)
     specs = fields(cls)
@@ -98,6 +101,23 @@ def _section(cls, data, name: str, fail):
         return cls(**values)
     except SettingError as err:
         raise fail(f"{name}.{err.key}" if err.key else name, str(err)) from None
+    except ValueError as err:  # an option's own check (check_choices, check_at_least) names its field
+        if not hasattr(err, "option"):
+            raise
+        raise fail(f"{name}.{err.option}", str(err).removeprefix(flag_name(err.option) + " ")) from None
+
+
+def _renamed(data: dict, name: str, fail) -> dict:
+    """``data`` with the section's renamed keys (``RENAMED``) under their new names, each with a warning; a key given
+    under both names is refused."""
+    renamed = RENAMED.get(name, {})
+    for old, new in renamed.items():
+        if old in data and new in data:
+            raise fail(f"{name}.{old}", f"renamed {new}, and {name}.{new} is given too; keep {new} only")
+        if old in data:
+            warnings.warn(str(fail(f"{name}.{old}", f"deprecated, renamed {new} (the verbs' option name); "
+                                                    f"it is read as {name}.{new}")), FutureWarning, stacklevel=2)
+    return {renamed.get(key, key): value for key, value in data.items()}
 
 
 def _composite(cls, data: dict, name: str, fail):
@@ -107,7 +127,7 @@ def _composite(cls, data: dict, name: str, fail):
     values = {}
     for key, value in data.items():
         try:
-            values[key] = _typed(value, str if keys[key] is None else typing.get_type_hints(keys[key])[key])
+            values[key] = _typed(value, typing.get_type_hints(keys[key])[key])
         except TypeError as err:
             raise fail(f"{name}.{key}", str(err)) from None
     try:

@@ -38,6 +38,7 @@ def plan(recipe: Recipe) -> list[Step]:
                               "calibration": asdict(cal) if needs_data else None}, (),
                   (recipe.checkpoint / "compound.json",), steps.quantize),
             Step("evaluate", {"dataset": cal.dataset, "windows": ev.windows, "seq_len": ev.seq_len,
+                               "kl_threshold": ev.kl_threshold,
                                "generation": ev.generation_tokens if ev.generation else None}, ("quantize",),
                   (recipe.output / "eval" / "eval.json",), steps.evaluate),
             Step("validate", {"dataset": cal.dataset}, ("quantize",), (), steps.validate),
@@ -46,7 +47,8 @@ def plan(recipe: Recipe) -> list[Step]:
         planned += [
             Step("heads", {"heads": _what(asdict(h))}, ("quantize",) if q else (),
                   (recipe.heads_dir / "compound.json",), steps.heads, recipe.output / "heads.work"),
-            Step("heads_eval", {"prompts": ev.prompts, "new_tokens": ev.new_tokens}, ("heads",), (), steps.heads_eval),
+            Step("heads_eval", {"prompts": ev.prompts, "max_new_tokens": ev.max_new_tokens, "dtype": ev.dtype,
+                                "categories": ev.categories}, ("heads",), (), steps.heads_eval),
         ]
     return planned
 

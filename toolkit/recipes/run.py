@@ -164,9 +164,9 @@ def _push_step(recipe: Recipe, fingerprint: str, results: dict, api, resume: boo
         common["command"] = f"compound run {recipe.source}"
     targets = []  # (directory, repo, the card's results in toolkit.hub's keys)
     if recipe.quantize:
-        targets.append((recipe.checkpoint, push.repo_id, {"eval": results["evaluate"], **common}))
+        targets.append((recipe.checkpoint, push.repo, {"eval": results["evaluate"], **common}))
     if recipe.heads:
-        targets.append((recipe.heads_dir, push.heads_repo(recipe.heads.head), {"acceptance": list(results["heads_eval"].values()),
+        targets.append((recipe.heads_dir, push.heads_repo_for(recipe.heads.head), {"acceptance": list(results["heads_eval"].values()),
                                                            **common}))
     started = time.perf_counter()
     pushed = {}

@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.engine.devices import DEVICES
+from toolkit.evaluate.options import EvalOptions, HeadsCheckOptions
 from toolkit.formats import resolve
-from toolkit.options import option_fields
-from toolkit.quant.configs import DEFAULT_METHOD, METHODS, ConfigError, WeightQuantConfig, make_config
+from toolkit.hub_options import PushOptions
+from toolkit.options import check_choices, option, option_fields
+from toolkit.quant.configs import METHODS, ConfigError, MethodChoice, WeightQuantConfig, make_config
 from toolkit.quantize import CalibrationSpec, QuantizeSettings
-from toolkit.train_heads import HEADS, HeadsJob
+from toolkit.train_heads import HeadsJob
 
 
 class RecipeError(ValueError):
@@ -25,22 +26,11 @@ class SettingError(ValueError):
         self.key = key
 
 
-def _choice(key: str, value, choices) -> None:
-    if value not in choices:
-        raise SettingError(key, f"{value!r} is not supported; must be one of {', '.join(map(str, choices))}")
-
-
-def _at_least(section, minimum, *keys: str) -> None:
-    for key in keys:
-        if getattr(section, key) < minimum:
-            raise SettingError(key, f"must be >= {minimum}, got {getattr(section, key)}")
-
-
 @dataclass(frozen=True)
 class QuantizeSection:
     """The recipe's ``quantize`` section: the method's config and the run's settings. Its keys are exactly the
-    ``compound quantize`` flags: ``method``, every ``QuantizeSettings`` field and every option of the quantization
-    configs (``keys``); a method option the chosen method does not take is refused."""
+    ``compound quantize`` flags: ``method`` (``MethodChoice``), every ``QuantizeSettings`` field and every option of the
+    quantization configs (``keys``); a method option the chosen method does not take is refused."""
 
     config: WeightQuantConfig
     settings: QuantizeSettings
@@ -48,9 +38,10 @@ class QuantizeSection:
     @classmethod
     def from_mapping(cls, values: dict) -> QuantizeSection:
         """Build from the section's typed values (``method`` may be absent: the CLI's default)."""
-        method = values.get("method", DEFAULT_METHOD)
-        if method not in METHODS:
-            raise SettingError("method", f"{method!r} is not supported; must be one of {', '.join(METHODS)}")
+        try:
+            method = MethodChoice(**{k: v for k, v in values.items() if k == "method"}).method
+        except ConfigError as err:
+            raise SettingError("method", str(err).removeprefix("--method ")) from None
         names = {f.name for f in option_fields(QuantizeSettings)}
         try:
             settings = QuantizeSettings(**{k: v for k, v in values.items() if k in names})
@@ -71,11 +62,10 @@ class QuantizeSection:
 
 
     @staticmethod
-    def keys() -> dict[str, type | None]:
-        """Every key of the section with the dataclass declaring it (the first, for method options; None for
-        ``method``)."""
-        keys: dict[str, type | None] = {"method": None}
-        for cls in (QuantizeSettings, *METHODS.values()):
+    def keys() -> dict[str, type]:
+        """Every key of the section with the dataclass declaring it (the first, for method options)."""
+        keys: dict[str, type] = {}
+        for cls in (MethodChoice, QuantizeSettings, *METHODS.values()):
             for f in option_fields(cls):
                 keys.setdefault(f.name, cls)
         return keys
@@ -102,10 +92,11 @@ class HeadsSection:
     def from_mapping(cls, values: dict) -> HeadsSection:
         """Build from the section's typed values, each option dataclass checking its own."""
         head = values.get("head", _default("head", HeadsJob))
-        if head not in HEADS:
-            raise SettingError("head", f"{head!r} is not supported; must be one of {', '.join(HEADS)}")
         device = values.get("device", _default("device", HeadsJob))
-        _choice("device", device, DEVICES)
+        try:
+            HeadsJob(model="", output=Path(), head=head, device=device)  # its own checks: the head kinds, the devices
+        except ValueError as err:
+            raise SettingError(getattr(err, "option", "head"), str(err)) from None
         parts = {}
         for name, part in HeadsJob.parts().items():
             given = {f.name: values[f.name] for f in option_fields(part) if f.name in values}
@@ -126,20 +117,17 @@ def _default(name: str, cls):
 
 
 @dataclass(frozen=True)
-class EvaluateSection:
-    """``compound eval`` of the checkpoint against the model: windows × seq_len held-out tokens per slice, the
-    generation checks (``generation``, ``generation_tokens`` decoded per prompt); prompts × new_tokens for the heads."""
-
-    windows: int = 16
-    seq_len: int = 512
-    generation: bool = True
-    generation_tokens: int = 96
-    prompts: int = 8
-    new_tokens: int = 64
+class EvaluateSection(EvalOptions, HeadsCheckOptions):
+    """The recipe's ``evaluate`` section: its keys are exactly the ``compound eval`` options of the evaluate step
+    (``EvalOptions``: windows × seq_len held-out tokens per slice of ``calibration.dataset``, the generation checks) and
+    the ``compound validate --heads`` options of the heads_eval step (``HeadsCheckOptions``)."""
 
     def __post_init__(self):
-        _at_least(self, 1, "windows", "prompts", "new_tokens", "generation_tokens")
-        _at_least(self, 2, "seq_len")
+        EvalOptions.__post_init__(self)
+        HeadsCheckOptions.__post_init__(self)
+        if "all" not in self.categories:
+            raise SettingError("categories", "must include all: the gates and the model card read the accepted "
+                                             "length over all prompts")
 
 
 @dataclass(frozen=True)
@@ -158,12 +146,13 @@ class GatesSection:
     min_top1_agreement: float | None = None
     max_kl: float | None = None
     min_accepted_length: float | None = None
-    accepted_length_mode: str = "chain"
+    accepted_length_mode: str = option("chain", "tree: compound's loop; chain: what vLLM serves.",
+                                       choices=("tree", "chain"))
     lossless_required: bool = True
     validate_required: bool = True
 
     def __post_init__(self):
-        _choice("accepted_length_mode", self.accepted_length_mode, ("tree", "chain"))
+        check_choices(self)
         for key in ("max_perplexity_increase", "max_kl"):
             if getattr(self, key) is not None and getattr(self, key) < 0:
                 raise SettingError(key, f"must be >= 0, got {getattr(self, key)}")
@@ -178,27 +167,23 @@ class GatesSection:
 
 
 @dataclass(frozen=True)
-class PushSection:
-    """Where the artifacts go once every gate passed: the checkpoint to ``repo_id``, the heads to ``heads_repo_id``
-    (default ``<repo_id>-<head kind>``). ``enabled: false`` never pushes; without a Hub token the push is skipped."""
+class PushSection(PushOptions):
+    """Where the artifacts go once every gate passed: its keys are the ``compound push`` options (``PushOptions``:
+    the checkpoint goes to ``repo``) and two of the recipe's own: ``heads_repo``, where the heads go (default
+    ``<repo>-<head kind>``), and ``enabled`` (false: never push). Without a Hub token the push is skipped."""
 
-    repo_id: str
-    heads_repo_id: str | None = None
+    heads_repo: str | None = None
     enabled: bool = True
-    private: bool = False
-    revision: str | None = None
-    tags: tuple[str, ...] = ()
-    commit_message: str | None = None
 
     def __post_init__(self):
-        for key in ("repo_id", "heads_repo_id"):
+        for key in ("repo", "heads_repo"):
             value = getattr(self, key)
             if value is not None and (value.count("/") != 1 or "" in value.split("/")):
                 raise SettingError(key, f"must be owner/name, got {value!r}")
 
-    def heads_repo(self, head: str) -> str:
-        """The heads' repo: ``heads_repo_id``, else ``<repo_id>-<head kind>`` (``-medusa``, ``-eagle3``)."""
-        return self.heads_repo_id or f"{self.repo_id}-{head}"
+    def heads_repo_for(self, head: str) -> str:
+        """The heads' repo: ``heads_repo``, else ``<repo>-<head kind>`` (``-medusa``, ``-eagle3``)."""
+        return self.heads_repo or f"{self.repo}-{head}"
 
 
 @dataclass(frozen=True)
@@ -244,4 +229,6 @@ class Recipe:
 
 SECTIONS = {"calibration": CalibrationSpec, "quantize": QuantizeSection, "heads": HeadsSection,
             "evaluate": EvaluateSection, "gates": GatesSection, "push": PushSection}
+# Keys renamed to the verbs' option names: still read, with a warning naming the new key.
+RENAMED = {"evaluate": {"new_tokens": "max_new_tokens"}, "push": {"repo_id": "repo", "heads_repo_id": "heads_repo"}}
 TOP_LEVEL = ("model", "output", *SECTIONS)

@@ -22,15 +22,13 @@ def quantize(recipe: Recipe, console) -> dict:
 
 def evaluate(recipe: Recipe, console) -> dict:
     """``compound eval`` of the checkpoint against the float model: the eval.json report."""
-    from toolkit.evaluate.generation import SETS
     from toolkit.evaluate.suite import evaluate
 
     ev = recipe.evaluate
     console.print(f"evaluating on up to {ev.windows}×{ev.seq_len} held-out tokens per slice of "
                   f"{recipe.calibration.dataset}" + (", with the generation checks" if ev.generation else ""))
     return evaluate(str(recipe.checkpoint), recipe.output / "eval", base=recipe.model,
-                    dataset=recipe.calibration.dataset, windows=ev.windows, seq_len=ev.seq_len,
-                    generation_sets=SETS if ev.generation else (), new_tokens=ev.generation_tokens, overwrite=True)
+                    dataset=recipe.calibration.dataset, options=ev, overwrite=True)  # ev holds every EvalOptions field
 
 
 def validate(recipe: Recipe, console) -> dict:
@@ -55,9 +53,13 @@ def heads(recipe: Recipe, console) -> dict:
 
 def heads_eval(recipe: Recipe, console) -> dict:
     """``compound train-heads`` against the heads' target into ``<output>/heads``._eval"""
+    import torch
+
     from toolkit.evaluate.acceptance import validate_heads
 
     ev = recipe.evaluate
-    console.print(f"measuring the heads' accepted length on {ev.prompts} held-out prompts × {ev.new_tokens} tokens")
-    reports = validate_heads(recipe.heads_target, recipe.heads_dir, ev.prompts, ev.new_tokens)
+    console.print(f"measuring the heads' accepted length on {ev.prompts} held-out prompts × {ev.max_new_tokens} "
+                  f"tokens ({ev.dtype})")
+    reports = validate_heads(recipe.heads_target, recipe.heads_dir, ev.prompts, ev.max_new_tokens,
+                             dtype=getattr(torch, ev.dtype), categories=ev.categories)
     return {r.mode: r.to_dict() for r in reports}
