@@ -38,6 +38,7 @@ VERBS = {
     "decode": ((DecodeOptions, ThreadSettings), {"model", "prompt"}),
     "convert": ((ConvertOptions, ThreadSettings), {"model", "output", "overwrite"}),
     "push": ((PushOptions,), {"directory", "results"}),
+    "doctor": ((), set()),  # no options: it reports on this machine
 }
 # Each recipe section: the dataclasses its keys are, and keys only a recipe has.
 SECTION_SOURCES = {
@@ -109,7 +110,7 @@ def test_one_name_per_setting_across_verbs():
 
 
 @pytest.mark.parametrize("cls, values, message", [
-    (MethodChoice, {"method": "hqq"}, "--method must be one of rtn, gptq, awq, awq+gptq, got 'hqq'"),
+    (MethodChoice, {"method": "hqq"}, "--method must be one of rtn, gptq, awq, awq+gptq, signround, got 'hqq'"),
     (ConvertOptions, {"format": "exl2"}, "--format must be one of gptq, awq, compressed-tensors, gguf, got 'exl2'"),
     (DecodeOptions, {"kv_cache_dtype": "fp8"}, "--kv-cache-dtype must be one of float, int8, int8-static, got 'fp8'"),
     (HeadsCheckOptions, {"categories": ("prose", "poetry")}, "--categories must be one of all, prose, code, "
