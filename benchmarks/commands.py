@@ -54,9 +54,9 @@ def train_heads_argv(job) -> list[str]:
 
 
 def _flag(name: str, value, declared: str | None) -> list[str]:
-    from toolkit.cli.flags import _flag_name  # the CLI's derivation; imported here, so a script's --help stays light
+    from toolkit.options import flag_name  # the CLI's derivation; imported here, so a script's --help stays light
 
-    flag = declared or _flag_name(name)  # a declared spelling ("--sym/--asym") or the CLI's derived one
+    flag = declared or flag_name(name)  # a declared spelling ("--sym/--asym") or the CLI's derived one
     if isinstance(value, bool):
         on, _, off = flag.partition("/")
         return [on if value else off or "--no-" + on[2:]]

@@ -111,13 +111,13 @@ def render_chat(tokenizer, messages: Sequence[dict[str, str]], add_generation_pr
     """``messages`` rendered as text: with the tokenizer's chat template, or as plain text (``PLAIN_TURN_SEPARATOR``
     between the turns' contents and as the generation prompt, no role tags, after BOS where the tokenizer adds one)
     for a tokenizer without one, which is said once in a warning. The text already holds its special tokens: tokenize it without adding them."""
-    template = None
+    plain = {}
     if not getattr(tokenizer, "chat_template", None):
-        template = _plain_template(_adds_bos(tokenizer))
+        plain["chat_template"] = _plain_template(_adds_bos(tokenizer))
         warnings.warn("the tokenizer has no chat template (a base model): conversations are rendered as plain text, "
                       "the turns joined by a blank line without role tags", PlainTextConversations)  # one place: once
-    return tokenizer.apply_chat_template(list(messages), chat_template=template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **plain)
 
 
 def conversation_ids(tokenizer, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:

@@ -220,8 +220,8 @@ def test_kill_9_while_writing_then_rerun_gives_a_complete_checkpoint(runs, tmp_p
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
     left = sorted(p.name.split("-")[0] for p in runs.iterdir())
-    assert left == [".q.activations", ".q.tmp"] and not out.exists()
-    result = run(*args)
+    assert left == [".q.activations", ".q.layers", ".q.tmp"] and not out.exists()  # .layers: the finished layers
+    result = run(*args)  # resumes from the saved layers, removes the killed run's leftovers
     assert result.exit_code == 0, result.output
     assert "removed 2 leftover(s)" in " ".join(result.output.split())
     assert [p.name for p in runs.iterdir()] == ["q"]

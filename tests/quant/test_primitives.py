@@ -75,7 +75,7 @@ def test_config_validation_names_the_fix():
         RTNConfig(group_size=96)
     with pytest.raises(ConfigError, match=r"576 % 128 = 64\); try --group-size -1 or 32 or 64"):
         RTNConfig(group_size=128).check_width("model.layers.0.self_attn.q_proj", 576)
-    with pytest.raises(ConfigError, match="--method must be one of rtn, gptq, awq, awq\\+gptq, got 'hqq'"):
+    with pytest.raises(ConfigError, match="--method must be one of rtn, gptq, awq, awq\\+gptq, signround, got 'hqq'"):
         make_config("hqq")
     with pytest.raises(ConfigError, match="takes no option"):
         make_config("rtn", damp=0.1)
