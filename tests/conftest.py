@@ -220,8 +220,37 @@ def refused(result, *needles: str, usage: bool = False) -> str:
 
 
 @pytest.fixture
-def runs(tmp_path):
-    """An empty directory to hold a CLI case's output (a refused case must leave it as empty as it found it)."""
+def runs(tmp_path, request):
+    """An empty directory to hold a CLI case's output (a refused case must leave it as empty as it found it); in a
+    module that sets ``RUNS_END_EMPTY = True`` it is checked to be empty again when the case ends."""
     path = tmp_path / "runs"
     path.mkdir()
-    return path
+    yield path
+    if getattr(request.module, "RUNS_END_EMPTY", False):
+        assert list(path.iterdir()) == []
+
+
+def cli(*args, **env):
+    """The ``compound`` command run in this process (typer's runner), every argument as text; ``env`` is added to
+    the environment."""
+    from typer.testing import CliRunner
+
+    from toolkit.cli import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], env=env or None)
+
+
+# The cheap settings of tests/test_train_heads.py, as train-heads flags; a flag given again after them wins.
+CHEAP_HEADS = ["--num-heads", "2", "--samples", "4", "--max-len", "96", "--distill-tokens", "6", "--dtype", "float32",
+               "--steps", "2", "--batch-size", "2", "--micro-batch-size", "1", "--eval-every", "2", "--save-every",
+               "2", "--eval-prompts", "1", "--eval-tokens", "4"]
+
+
+def run_train_heads(model, output, *args):
+    """``compound train-heads`` of ``model`` into ``output`` with ``CHEAP_HEADS`` and then ``args``."""
+    return cli("train-heads", "--model", model, "-o", output, *CHEAP_HEADS, *args)
+
+
+def text_of(result) -> str:
+    """A CLI run's output with its wrapping undone."""
+    return " ".join(result.output.split())

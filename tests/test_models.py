@@ -8,10 +8,8 @@ import time
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from conftest import refused, tiny_model
-from toolkit.cli import app
+from conftest import cli, refused, tiny_model
 from toolkit.engine.session import LayerSession, capture_layer_inputs
 from toolkit.models import ModelError, decoder_layers, layer_linears, load_model, load_tokenizer
 from toolkit.quant.configs import RTNConfig
@@ -162,7 +160,8 @@ def test_a_missing_chunk_package_names_every_package_to_install(tmp_path, monkey
         models.embedded_gguf("fake")
 
 
-runner = CliRunner()
+RUNS_END_EMPTY = True  # conftest's runs: every case here leaves it empty
+run = cli
 
 
 GPTQ = ["--method", "gptq", "--group-size", "32", "--samples", "2", "--seq-len", "16"]
@@ -171,15 +170,6 @@ GPTQ = ["--method", "gptq", "--group-size", "32", "--samples", "2", "--seq-len",
 EVAL = ["--windows", "1", "--seq-len", "16", "--no-generation"]
 
 
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-@pytest.fixture
-def runs(runs):
-    """conftest's ``runs``, checked to be empty again when the case ends."""
-    yield runs
-    assert list(runs.iterdir()) == []
 
 
 def copy_model(source, target, config=None, truncate=None):

@@ -18,7 +18,7 @@ import toolkit.hub
 import toolkit.quantize
 import toolkit.train_heads
 import toolkit.validate
-from conftest import refused
+from conftest import cli, refused
 from toolkit.cli import app
 from toolkit.hub import PushResult
 from toolkit.recipes import GateError, RecipeError, load_recipe, run_recipe
@@ -300,18 +300,10 @@ def test_dry_run_does_nothing(copied, tmp_path, tiny_llama_dir, monkeypatch):
 # ---- the demo recipe on SmolLM2 ----------------------------------------------------------------------------------
 
 
-runner = CliRunner()
+RUNS_END_EMPTY = True  # conftest's runs: every case here leaves it empty
+run = cli
 
 
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-@pytest.fixture
-def runs(runs):
-    """conftest's ``runs``, checked to be empty again when the case ends."""
-    yield runs
-    assert list(runs.iterdir()) == []
 
 
 def test_recipe_that_is_not_utf8(tmp_path, runs):

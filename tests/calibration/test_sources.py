@@ -2,11 +2,9 @@ import json
 import warnings
 
 import pytest
-from typer.testing import CliRunner
 
-from conftest import refused
+from conftest import cli, refused
 from toolkit.calibration import CalibrationError, load_records, sources
-from toolkit.cli import app
 
 RECORDS = [
     {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
@@ -173,7 +171,8 @@ def test_hub_id_parsing(monkeypatch):
     assert calls == [("teknium/OpenHermes-2.5", None, "train"), ("org/name", "cfg", "train")]
 
 
-runner = CliRunner()
+RUNS_END_EMPTY = True  # conftest's runs: every case here leaves it empty
+run = cli
 
 
 GPTQ = ["--method", "gptq", "--group-size", "32", "--samples", "2", "--seq-len", "16"]
@@ -182,15 +181,6 @@ GPTQ = ["--method", "gptq", "--group-size", "32", "--samples", "2", "--seq-len",
 EVAL = ["--windows", "1", "--seq-len", "16", "--no-generation"]
 
 
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-@pytest.fixture
-def runs(runs):
-    """conftest's ``runs``, checked to be empty again when the case ends."""
-    yield runs
-    assert list(runs.iterdir()) == []
 
 
 @pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])

@@ -4,10 +4,8 @@ import time
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from conftest import refused, tiny_model
-from toolkit.cli import app
+from conftest import cli, refused, tiny_model
 from toolkit.decode import Decoder, SamplingConfig, generate
 from toolkit.decode.sampling import probs
 
@@ -61,18 +59,10 @@ def test_smollm2_greedy_equals_transformers_generate(smol_tokenizer):
     assert torch.equal(ids, expected)
 
 
-runner = CliRunner()
+RUNS_END_EMPTY = True  # conftest's runs: every case here leaves it empty
+run = cli
 
 
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-@pytest.fixture
-def runs(runs):
-    """conftest's ``runs``, checked to be empty again when the case ends."""
-    yield runs
-    assert list(runs.iterdir()) == []
 
 
 @pytest.mark.parametrize("prompt,new_tokens,needle", [

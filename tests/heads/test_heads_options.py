@@ -5,10 +5,8 @@ names the flag."""
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from conftest import tiny_config
-from toolkit.cli import app
+from conftest import run_train_heads, text_of, tiny_config
 from toolkit.heads.eagle_draft import TreeShape
 from toolkit.heads.options import DataOptions, EagleOptions, MedusaOptions, SelectOptions
 from toolkit.heads.train import TrainConfig
@@ -62,19 +60,6 @@ def test_job_reads_its_parts():
     assert medusa.train_dir.name == "train-medusa-k2-l1-shared" and medusa.hidden_layers(8) == [-1]
 
 
-# The cheap settings of tests/test_train_heads.py, as flags; a flag given again after them wins.
-CHEAP = ["--num-heads", "2", "--samples", "4", "--max-len", "96", "--distill-tokens", "6", "--dtype", "float32",
-         "--steps", "2", "--batch-size", "2", "--micro-batch-size", "1", "--eval-every", "2", "--save-every", "2",
-         "--eval-prompts", "1", "--eval-tokens", "4"]
-
-
-def run_train_heads(model, output, *args):
-    return CliRunner().invoke(app, ["train-heads", "--model", str(model), "-o", str(output), *CHEAP,
-                                    *map(str, args)])
-
-
-def text_of(result) -> str:
-    return " ".join(result.output.split())
 
 
 def assert_refused(result, parent, *needles):

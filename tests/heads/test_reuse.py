@@ -7,30 +7,15 @@ import json
 import pytest
 import torch
 from rich.console import Console
-from typer.testing import CliRunner
 
-from conftest import tiny_config
+from conftest import run_train_heads, text_of, tiny_config
 from test_train_heads import _job
-from toolkit.cli import app
 from toolkit.heads.reuse import LEDGER
 from toolkit.identity import target_identity
 from toolkit.train_heads import prepare
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# The cheap settings of tests/test_train_heads.py, as flags; a flag given again after them wins.
-CHEAP = ["--num-heads", "2", "--samples", "4", "--max-len", "96", "--distill-tokens", "6", "--dtype", "float32",
-         "--steps", "2", "--batch-size", "2", "--micro-batch-size", "1", "--eval-every", "2", "--save-every", "2",
-         "--eval-prompts", "1", "--eval-tokens", "4"]
-
-
-def run_train_heads(model, output, *args):
-    return CliRunner().invoke(app, ["train-heads", "--model", str(model), "-o", str(output), *CHEAP,
-                                    *map(str, args)])
-
-
-def text_of(result) -> str:
-    return " ".join(result.output.split())
 
 
 @pytest.fixture(scope="module")

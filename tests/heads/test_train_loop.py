@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from toolkit.cli import app
+from conftest import run_train_heads, text_of
 from toolkit.heads.medusa import MedusaConfig, MedusaHeads, medusa_loss
 from toolkit.heads.train import TrainConfig, collate, global_batch_indices, train
 
@@ -213,19 +212,6 @@ def test_a_batch_without_labels_skips_the_update(tmp_path):
 
 
 
-# The cheap settings of tests/test_train_heads.py, as flags; a flag given again after them wins.
-CHEAP = ["--num-heads", "2", "--samples", "4", "--max-len", "96", "--distill-tokens", "6", "--dtype", "float32",
-         "--steps", "2", "--batch-size", "2", "--micro-batch-size", "1", "--eval-every", "2", "--save-every", "2",
-         "--eval-prompts", "1", "--eval-tokens", "4"]
-
-
-def run_train_heads(model, output, *args):
-    return CliRunner().invoke(app, ["train-heads", "--model", str(model), "-o", str(output), *CHEAP,
-                                    *map(str, args)])
-
-
-def text_of(result) -> str:
-    return " ".join(result.output.split())
 
 
 def tear_last_line(path) -> None:

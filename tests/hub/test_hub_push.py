@@ -20,11 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from typer.testing import CliRunner
 
-from conftest import refused
+from conftest import cli, refused
 from local_hub import USER, LocalHub
-from toolkit.cli import app
 from toolkit.formats.checkpoint import MANIFEST, sha256_file, write_directory
 from toolkit.formats.gptq import quantization_config
 from toolkit.hub import HubError, push
@@ -404,18 +402,10 @@ def test_heads_for_a_quantized_target_link_its_base_and_leave_the_target_to_fill
     assert "vllm serve TARGET --speculative-config" in card and str(artifact.parent) not in card
 
 
-runner = CliRunner()
+RUNS_END_EMPTY = True  # conftest's runs: every case here leaves it empty
+run = cli
 
 
-def run(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-@pytest.fixture
-def runs(runs):
-    """conftest's ``runs``, checked to be empty again when the case ends."""
-    yield runs
-    assert list(runs.iterdir()) == []
 
 
 @pytest.fixture(scope="module")
