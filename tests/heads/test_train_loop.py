@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_train_heads, text_of
 from toolkit.heads.medusa import MedusaConfig, MedusaHeads, medusa_loss
 from toolkit.heads.train import TrainConfig, collate, global_batch_indices, train
 
@@ -221,6 +220,8 @@ def tear_last_line(path) -> None:
 
 
 def test_torn_logs_and_answers_resume_through_the_cli(tiny_llama_dir, tmp_path):
+    from conftest import run_train_heads, text_of  # here: torchrun runs this file as a script, without conftest
+
     out, work = tmp_path / "heads", tmp_path / "heads.work"
     assert run_train_heads(tiny_llama_dir, out).exit_code == 0
     answers = (work / "distill.jsonl").read_text()
