@@ -214,6 +214,8 @@ def quantize(
     check_finite_weights(model.named_parameters(), arch_spec(model).layers)
     if config.rotate != "none":
         choices["rotation"] = rotate_model(model, config.seed).summary(dtype.itemsize)
+        if gguf_file is not None:  # the rotation may untie the LM head: the file then writes its own output tensor
+            gguf_file.tensors.config = model.config
         if progress:
             progress.step(f"rotated the float weights: {choices['rotation']}")
     tokens, calib_info = None, {}
