@@ -90,6 +90,5 @@ def test_every_benchmarks_section_states_its_one_command():
         commands = re.findall(r"^Commands?: (.*)$", body, re.M)
         assert len(commands) == 1 and not body.count("\nCommands:"), f"{title}: {commands}"
         scripts = re.findall(r"python (\S+\.py)", commands[0])
-        # "none": a settled experiment whose script was removed, or a one-off diagnosis; it says so
-        assert scripts or commands[0].startswith("none"), title
+        assert scripts, f"{title}: no script regenerates it (a settled one belongs in docs/investigations.md)"
         assert all((ROOT / script).is_file() for script in scripts), f"{title}: {scripts}"

@@ -204,8 +204,8 @@ class EagleHead(nn.Module):
         starts random (normal, std the target's ``initializer_range``, as SpecForge's does) and ``norm`` as the
         target's final norm; ``fc`` and the layer start from PyTorch's default initialisation. Starting the
         ``lm_head`` from those rows of the target's instead trained worse heads on SmolLM2 (vLLM accepted length
-        1.135-1.159 against 1.200-1.206 at 30 steps over three seeds, 1.44 against 1.50 at 300 steps; BENCHMARKS.md
-        "Draft heads vs peers: what SpecForge's head had that compound's lacked").
+        1.135-1.159 against 1.200-1.206 at 30 steps over three seeds, 1.44 against 1.50 at 300 steps;
+        "Draft heads vs peers: what SpecForge's head had that compound's lacked" in docs/investigations.md).
         """
         c = target.config
         try:
