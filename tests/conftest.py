@@ -36,11 +36,17 @@ SMOL_VOCAB = 49152
 SLOW_TIMEOUT_S = 3600
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's hook reads the xdist_group marks (--dist loadgroup)
 def pytest_collection_modifyitems(items):
-    """Give each slow test without a timeout of its own ``SLOW_TIMEOUT_S`` instead of pyproject's default."""
+    """Give each slow test without a timeout of its own ``SLOW_TIMEOUT_S`` instead of pyproject's default, and each
+    slow test in no xdist group its module's group: a module's tests share its module-scoped fixtures (a real model
+    quantized, heads fitted, a vLLM run: minutes), which xdist would otherwise build again on each worker that gets
+    one of them. Groups that span modules (such as ``smollm2_checkpoints``) are marked where they are used."""
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+        if item.get_closest_marker("slow") and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 pytest_plugins = ["integration.smollm2_checkpoints"]  # real-model checkpoints the integration tests share
 
 
