@@ -6,6 +6,7 @@ default of one thread per core would oversubscribe the cores, and OpenMP then st
 import os
 import re
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 # `python -m pytest` puts the working directory first on sys.path; from the repository root, the source folder
@@ -36,22 +37,38 @@ SMOL_VOCAB = 49152
 SLOW_TIMEOUT_S = 3600
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's hook reads the xdist_group marks (--dist loadgroup)
 def pytest_collection_modifyitems(items):
-    """Give each slow test without a timeout of its own ``SLOW_TIMEOUT_S`` instead of pyproject's default."""
+    """Give each slow test without a timeout of its own ``SLOW_TIMEOUT_S`` instead of pyproject's default, and each
+    slow test in no xdist group its module's group: a module's tests share its module-scoped fixtures (a real model
+    quantized, heads fitted, a vLLM run: minutes), which xdist would otherwise build again on each worker that gets
+    one of them. Groups that span modules (such as ``smollm2_checkpoints``) are marked where they are used."""
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
-pytest_plugins = ["integration.smollm2_checkpoints"]  # real-model checkpoints the integration tests share
+        if item.get_closest_marker("slow") and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+# real-model checkpoints, and vLLM's runs of the draft heads, that several integration modules share
+pytest_plugins = ["integration.smollm2_checkpoints", "integration.spec_runs"]
+
+
+@contextmanager
+def torch_threads(count: int):
+    """Torch on ``count`` threads inside the block (a session fixture's: ``one_thread`` is module-scoped)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
 def one_thread():
     """Torch on one thread for a module of tiny-tensor tests: with 2 busy cores, tiny matmuls spend their time in
     OpenMP barriers (100x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -176,10 +193,10 @@ SPEC_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."
                 "Give three tips for learning to cook."]
 
 
-@pytest.fixture(scope="module")
-def spec_target(tmp_path_factory, one_thread):
+@pytest.fixture(scope="session")
+def spec_target(tmp_path_factory):
     """(the float SmolLM2 model, its Hugging Face directory for vLLM, the SHA-256 of its weights, the chat-templated
-    token ids of ``SPEC_PROMPTS``)."""
+    token ids of ``SPEC_PROMPTS``); once per session (its users do not change the model)."""
     from toolkit.formats.checkpoint import sha256_file, write_checkpoint
     from toolkit.models import load_model, load_tokenizer
 

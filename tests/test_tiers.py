@@ -13,10 +13,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class FakeItem:
-    """What ``pytest_collection_modifyitems`` reads and writes of a collected test: its markers."""
+    """What ``pytest_collection_modifyitems`` reads and writes of a collected test: its node id and markers."""
 
-    def __init__(self, *markers):
-        self.markers = list(markers)
+    def __init__(self, *markers, nodeid="tests/test_tiers.py::test_y"):
+        self.markers, self.nodeid = list(markers), nodeid
 
     def get_closest_marker(self, name):
         return next((mark for mark in self.markers if mark.name == name), None)
@@ -34,6 +34,19 @@ def test_every_test_has_a_timeout_and_slow_ones_a_longer_one():
     assert slow.get_closest_marker("timeout").args == (conftest.SLOW_TIMEOUT_S,)
     assert own.get_closest_marker("timeout").args == (60,)  # a test's own limit is kept
     assert 0 < default < conftest.SLOW_TIMEOUT_S
+
+
+def test_a_slow_modules_tests_share_one_xdist_group_unless_marked_with_another():
+    slow, fast = pytest.mark.slow.mark, FakeItem(nodeid="tests/test_gemma3.py::test_fast")
+    first, second = (FakeItem(slow, nodeid=f"tests/test_gemma3.py::test_{n}[x]") for n in "12")
+    other, shared = FakeItem(slow, nodeid="tests/test_real_model.py::test_1"), FakeItem(
+        slow, pytest.mark.xdist_group("checkpoints").mark, nodeid="tests/test_gemma3.py::test_3")
+    conftest.pytest_collection_modifyitems([fast, first, second, other, shared])
+    groups = [item.get_closest_marker("xdist_group") for item in (fast, first, second, other, shared)]
+    assert groups[0] is None  # the fast tier is scheduled test by test
+    assert groups[1].args == groups[2].args == ("tests/test_gemma3.py",)
+    assert groups[3].args == ("tests/test_real_model.py",)
+    assert [mark.args for mark in shared.markers if mark.name == "xdist_group"] == [("checkpoints",)]
 
 
 def test_ci_runs_the_fast_tier_before_the_venvs_and_the_slow_tier():

@@ -23,11 +23,13 @@ three prompts, with ``eagle3_loss`` (3 unrolled steps) or ``eagle_loss``; the fo
   prompts agreed and vLLM accepted 1.7211 against compound's 1.5521).
 
 Exported with ``toolkit.heads.eagle_export`` in float32; vLLM runs in the target's dtype (float32, bfloat16 for W4)
-with ``{"method": "eagle3"|"eagle", "model": dir, "num_speculative_tokens": 3}``. All float heads are served by one
-vllm_spec.py process (one engine each, plus the plain run), the W4 head by a second one. Besides output and
-acceptance, the test checks in vLLM's log that it captured the aux layers the config names in vLLM's numbering
-(``GPUModelRunner._setup_eagle3_aux_hidden_state_outputs`` logs them; the config also carries SGLang's ids, one
-lower, in ``eagle_config``, which vLLM reads only when the top-level ids are absent).
+with ``{"method": "eagle3"|"eagle", "model": dir, "num_speculative_tokens": 3}``. The float heads are served by the
+session's one vllm_spec.py process of every float head (``spec_runs``: these, test_vllm_medusa.py's and
+test_vllm_speculators.py's, one engine each, plus the one plain run all are compared with), the W4 head by a second
+one. Besides output and acceptance, the test checks in vLLM's log of that head's engine that it captured the aux
+layers the config names in vLLM's numbering (``GPUModelRunner._setup_eagle3_aux_hidden_state_outputs`` logs them;
+the config also carries SGLang's ids, one lower, in ``eagle_config``, which vLLM reads only when the top-level ids
+are absent).
 
 Counting as in test_vllm_medusa.py: vLLM's mean accepted length is 1 + accepted / drafts
 (``SpecDecodingLogging.log``), compound's 1 + accepted / verify steps of ``speculative_generate``.
@@ -37,7 +39,7 @@ both), eagle3-full 1.5394 | 1.5394 (165, 89), eagle 1.8345 | 1.8345 (139, 116), 
 equal to vLLM's; eagle3-w4 1.5521 | 1.4709 (bfloat16; compound's AVX512-BF16 int4 kernel).
 
 Needs the vLLM venv made by ``bash scripts/setup_vllm.sh`` (.venvs/vllm); vLLM runs there in subprocesses
-(tests/integration/vllm_spec.py). About 7.5 minutes on a shared 2-core machine, 4 of them vLLM (6 engines).
+(tests/integration/vllm_spec.py).
 """
 
 import json
@@ -48,7 +50,7 @@ import pytest
 from conftest import skip_where_vllm_has_no_w4_kernel
 import torch
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]  # w4_runs computes here
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venvs" / "vllm" / "bin" / "python"
@@ -159,25 +161,30 @@ def run_vllm(model_dir: Path, heads: dict[str, tuple[str, Path]], prompts: list[
             "log": result.stderr}
 
 
-@pytest.fixture(scope="module")
-def float_runs(spec_target, tmp_path_factory):
-    """Per float case: (vLLM's run, compound's prediction, the head), all float heads served by one vLLM process."""
+def float_cases(spec_target, work: Path) -> dict[str, dict]:
+    """Per float case: {"method", "directory", "prediction", "head"} (``spec_runs`` serves them in vLLM), the heads
+    fitted on the target's continuations of the first FITTED prompts and exported in the EAGLE layout under ``work``."""
     from toolkit.heads.eagle_export import export_eagle
 
-    model, target_dir, target_sha256, prompts = spec_target
-    work = tmp_path_factory.mktemp("eagle-heads")
+    model, _, target_sha256, prompts = spec_target
     ids, mask = continuations(model, prompts[:FITTED])
     heads = {}
     for case, kind, vocab in (("eagle3-vocab2048", "eagle3", DRAFT_VOCAB), ("eagle", "eagle", None)):
         heads[case], metrics = fit_head(model, kind, ids, mask, vocab)
         print(f"\n{case}: fitted top-1 {metrics['correct_0'] / metrics['count_0']:.3f} on the fitted tokens")
     heads["eagle3-full"] = with_full_vocabulary(model, heads["eagle3-vocab2048"])
-    dirs = {case: (heads[case].config.kind, export_eagle(heads[case], work / case, target="smollm2-135m",
-                                                         target_sha256=target_sha256, dtype=torch.float32))
+    return {case: {"method": heads[case].config.kind, "head": heads[case], "num_speculative_tokens": K,
+                   "directory": export_eagle(heads[case], work / case, target="smollm2-135m",
+                                             target_sha256=target_sha256, dtype=torch.float32),
+                   "prediction": compound_prediction(model, heads[case], prompts)}
             for case in CASES}
-    predictions = {case: compound_prediction(model, heads[case], prompts) for case in CASES}
-    vllm = run_vllm(target_dir, dirs, prompts, work)
-    return {case: (vllm, predictions[case], heads[case]) for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def float_runs(spec_runs):
+    """Per float case: (vLLM's run, compound's prediction, the head), from the session's one vLLM process."""
+    return {case: (spec_runs[case]["vllm"], spec_runs[case]["prediction"], spec_runs[case]["head"])
+            for case in CASES}
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +218,9 @@ W4_REGRESSION = pytest.mark.xfail(reason="eagle3 head on the W4 target: predicte
                                   "the 2026-12-06 merges (1.552 before); under investigation", strict=False)
 
 
-@pytest.mark.parametrize("case", [*CASES, pytest.param("eagle3-w4", marks=W4_REGRESSION)])
+# the float cases on the xdist worker that runs spec_runs (test_vllm_medusa.py, test_vllm_speculators.py)
+@pytest.mark.parametrize("case", [*(pytest.param(case, marks=pytest.mark.xdist_group("spec_runs")) for case in CASES),
+                                  pytest.param("eagle3-w4", marks=W4_REGRESSION)])
 def test_vllm_serves_compound_eagle_heads_losslessly_at_the_predicted_acceptance(case, request):
     runs = request.getfixturevalue("w4_runs" if case == "eagle3-w4" else "float_runs")
     vllm, (ours, steps, accepted), head = runs[case]

@@ -17,21 +17,20 @@ sequence + num_speculative_tokens fits ``max_model_len`` (``GPUModelRunner._inpu
 leaves room; compound's cache likewise holds one more chain. Measured: identical counts (112 drafts, 142 accepted).
 
 Needs the vLLM venv made by ``bash scripts/setup_vllm.sh`` (.venvs/vllm); vLLM runs there in a subprocess
-(tests/integration/vllm_spec.py). About 4 minutes on a shared 2-core machine (measured 4m13s), 1.5 of them vLLM.
+(tests/integration/vllm_spec.py), the session's one process of every float head (``spec_runs``: these heads,
+test_vllm_eagle.py's and test_vllm_speculators.py's, and the one plain run all are compared with).
 """
 
-import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
+# on the xdist worker that runs spec_runs (test_vllm_eagle.py's float cases, test_vllm_speculators.py)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("spec_runs")]
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venvs" / "vllm" / "bin" / "python"
-VLLM_SPEC = Path(__file__).with_name("vllm_spec.py")
 FITTED = 3  # the heads are fitted on the first FITTED prompts' continuations
 NEW_TOKENS = 64
 NUM_HEADS = 3
@@ -85,26 +84,24 @@ def compound_prediction(model, heads, prompts: list[list[int]]) -> tuple[list[li
     return outputs, steps, accepted
 
 
-def test_vllm_serves_compound_medusa_heads_losslessly_at_the_predicted_acceptance(spec_target, tmp_path):
+def medusa_cases(spec_target, work: Path) -> dict[str, dict]:
+    """{"medusa": {"method", "directory", "prediction", "head"}} (``spec_runs`` serves it in vLLM, as a chain of
+    NUM_HEADS): the heads fitted on the target's continuations of the first FITTED prompts, exported under ``work``."""
     from toolkit.heads.medusa_export import export_medusa
 
-    model, target_dir, target_sha256, prompts = spec_target
+    model, _, target_sha256, prompts = spec_target
     heads = fit_heads(model, prompts[:FITTED])
-    heads_dir = export_medusa(heads, tmp_path / "heads", target="smollm2-135m", target_sha256=target_sha256,
+    directory = export_medusa(heads, work / "medusa", target="smollm2-135m", target_sha256=target_sha256,
                               dtype=torch.float32)
-    ours, steps, accepted = compound_prediction(model, heads, prompts)
-    predicted = 1 + accepted / steps
+    return {"medusa": {"method": "medusa", "directory": directory, "head": heads, "num_speculative_tokens": NUM_HEADS,
+                       "prediction": compound_prediction(model, heads, prompts)}}
 
-    prompt_file = tmp_path / "prompts.json"
-    prompt_file.write_text(json.dumps(prompts))
-    result = subprocess.run(
-        [str(VLLM_PYTHON), str(VLLM_SPEC), "--model", str(target_dir), "--heads", str(heads_dir), "--prompts",
-         str(prompt_file), "--max-tokens", str(NEW_TOKENS), "--dtype", "float32"],
-        capture_output=True, text=True, timeout=900, cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stderr[-6000:]
-    theirs = json.loads(result.stdout.strip().splitlines()[-1])
-    medusa = theirs["drafts"][0]
+
+def test_vllm_serves_compound_medusa_heads_losslessly_at_the_predicted_acceptance(spec_target, spec_runs):
+    prompts = spec_target[3]
+    theirs, (ours, steps, accepted) = spec_runs["medusa"]["vllm"], spec_runs["medusa"]["prediction"]
+    predicted = 1 + accepted / steps
+    medusa = theirs["drafts"]["medusa"]
     assert "error" not in medusa, medusa.get("error")
 
     same_as_compound = sum(a == b for a, b in zip(theirs["plain"], ours))
