@@ -41,7 +41,7 @@ def test_coverage_is_what_compound_supports():
     assert supporting() == every
     assert supporting("decode") == every
     assert supporting("eagle") == ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
-    assert supporting("gguf") == ("llama",)
+    assert supporting("gguf") == ("gemma3_text", "llama")
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))

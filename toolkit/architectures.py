@@ -27,9 +27,10 @@ Linears inside a decoder layer are found by module type and how they share input
 
 What compound does with each: every family quantizes to every format; ``decode`` marks those ``toolkit.decode`` runs
 (and so Medusa heads, selected in that loop), ``eagle`` those EAGLE heads (``toolkit.heads.eagle``) can draft for, and
-``gguf`` those written as GGUF files for llama.cpp (``toolkit.formats.gguf``). ``--rotate hadamard`` (``toolkit.rotate``)
-rotates the residual stream of every family whose entry ``rotates_residual`` (all but Gemma 2/3, whose norms on the
-branch outputs do not commute with a rotation) and the values of every attention head of every family.
+``gguf`` names the llama.cpp architecture of those written as GGUF files (``toolkit.formats.gguf``). ``--rotate
+hadamard`` (``toolkit.rotate``) rotates the residual stream of every family whose entry ``rotates_residual`` (all but
+Gemma 2/3, whose norms on the branch outputs do not commute with a rotation) and the values of every attention head of
+every family.
 A Mixture-of-Experts layout is one more field of an entry (``Experts``: how its experts are named, which modules
 route, where the Hub stores the block); ``toolkit.experts`` turns transformers' fused expert tensors into one linear
 per expert projection, so every method and format treats an expert's projection as any other linear.
@@ -91,8 +92,9 @@ class Family:
     rope_by_layer_type: ``config.rope_parameters`` holds one scheme per layer type, the rotary module one
     ``{layer_type}_inv_freq`` each (Gemma 3). awq_groups: (preceding module, linears sharing its output) per decoder
     layer, the scaling groups of AWQ (arXiv 2306.00978 §3.2), paths relative to the layer. decode: ``toolkit.decode``
-    runs it. eagle: EAGLE heads can draft for it. gguf: ``compound convert --format gguf`` writes it as GGUF's
-    ``llama`` architecture (``toolkit.formats.gguf``).
+    runs it. eagle: EAGLE heads can draft for it. gguf: the llama.cpp architecture (``general.architecture``) that
+    ``compound convert --format gguf`` and ``quantize --gguf`` write it as (``toolkit.formats.gguf``), None when
+    GGUF export does not write it.
     """
 
     layers: str = "model.layers"
@@ -113,7 +115,7 @@ class Family:
     )
     decode: bool = True
     eagle: bool = True
-    gguf: bool = False
+    gguf: str | None = None
     experts: Experts | None = None
 
     @property
@@ -139,7 +141,7 @@ _GEMMA2 = dataclasses.replace(
 )
 
 FAMILIES: dict[str, Family] = {
-    "llama": dataclasses.replace(_LLAMA, gguf=True),
+    "llama": dataclasses.replace(_LLAMA, gguf="llama"),
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
     "qwen3": dataclasses.replace(_LLAMA, qk_norm=True),
@@ -151,7 +153,7 @@ FAMILIES: dict[str, Family] = {
     ),
     "gemma": _GEMMA,
     "gemma2": _GEMMA2,
-    "gemma3_text": dataclasses.replace(_GEMMA2, qk_norm=True, rope_by_layer_type=True),
+    "gemma3_text": dataclasses.replace(_GEMMA2, qk_norm=True, rope_by_layer_type=True, gguf="gemma3"),
 }
 
 
