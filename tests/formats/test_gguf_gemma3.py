@@ -10,7 +10,7 @@ import torch
 from gguf.constants import MODEL_ARCH, MODEL_TENSORS, TENSOR_NAMES
 from typer.testing import CliRunner
 
-from conftest import byte_tokenizer, perturb_biases_and_norms, refused, tiny_model
+from conftest import GEMMA3_GGUF, byte_tokenizer, perturb_biases_and_norms, refused, tiny_model
 from toolkit.cli import app
 from toolkit.formats.gguf_blocks import dequantize
 from toolkit.formats.scheme import FormatError
@@ -19,13 +19,11 @@ from toolkit.runtime.load import load_quantized
 from toolkit.runtime.quant_linear import QuantLinear
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-LAYERS = 6  # llama.cpp's gemma3 slides the window on every layer but each sixth: one full layer
-GEMMA3 = dict(layers=LAYERS, vocab=256, layer_types=["sliding_attention"] * 5 + ["full_attention"],
-              query_pre_attn_scalar=16, final_logit_softcapping=5.0)  # 16: the tiny head_dim
+LAYERS = GEMMA3_GGUF["layers"]
 
 
 def gemma3_dir(path, **overrides):
-    model = perturb_biases_and_norms(tiny_model("gemma3_text", **{**GEMMA3, **overrides}))
+    model = perturb_biases_and_norms(tiny_model("gemma3_text", **{**GEMMA3_GGUF, "vocab": 256, **overrides}))
     model.save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     return path, model
