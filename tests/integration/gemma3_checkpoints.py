@@ -1,6 +1,7 @@
 """Compound W4 checkpoints of the real Gemma-3 270M, shared by the integration tests that hand them to a loader
 compound did not write (llama.cpp, vLLM) and by the speculative-decoding test; a pytest plugin (``tests/conftest.py``),
-so each is built once per session whichever modules use it.
+so each is built once per session whichever modules use it (under xdist, modules that use it share the
+``gemma3_checkpoints`` group).
 
 Two RTN W4 g32 quantizations side by side, each with its GGUF file (``--gguf``): symmetric in the GPTQ layout (and
 Q4_0), asymmetric in the AWQ layout (and Q4_1). RTN needs no calibration, so both take about a minute of CPU.

@@ -19,7 +19,8 @@ import torch
 from gemma3_checkpoints import gemma3_gguf
 from test_llamacpp import MIN_AGREEMENT, TOLERANCE, judge, reference
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("llamacpp")]
+# the worker that builds the shared Gemma-3 checkpoints for the vLLM and EAGLE-3 tests, so they are built once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gemma3_checkpoints")]
 FLOAT_TOLERANCE = 2e-3  # nats per token, llama.cpp against transformers, F32 weights
 
 
