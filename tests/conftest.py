@@ -49,7 +49,7 @@ def pytest_collection_modifyitems(items):
         if item.get_closest_marker("slow") and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 # real-model checkpoints, and vLLM's runs of the draft heads, that several integration modules share
-pytest_plugins = ["integration.smollm2_checkpoints", "integration.spec_runs"]
+pytest_plugins = ["integration.smollm2_checkpoints", "integration.gemma3_checkpoints", "integration.spec_runs"]
 
 
 @contextmanager
@@ -112,6 +112,11 @@ FAMILY_EXTRAS = {
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                       shared_expert_intermediate_size=128, mlp_only_layers=[1]),
 }
+
+# A tiny Gemma 3 as llama.cpp's gemma3 computes it (what the architecture fixes: a full layer every sixth, scores scaled
+# by head_dim^-0.5), with the window, the global RoPE's linear scaling and the final logit cap it reads from keys.
+GEMMA3_GGUF = dict(layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"], query_pre_attn_scalar=16,
+                   final_logit_softcapping=5.0)
 
 
 def tiny_config(model_type: str, hidden: int = 64, layers: int = 2, vocab: int = SMOL_VOCAB, **overrides):

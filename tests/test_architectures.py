@@ -40,8 +40,10 @@ def test_coverage_is_what_compound_supports():
              "qwen3_moe")
     assert supporting() == every
     assert supporting("decode") == every
-    assert supporting("eagle") == ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
-    assert supporting("gguf") == ("llama",)
+    assert supporting("eagle") == ("gemma3_text", "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3",
+                                   "qwen3_moe")
+    assert FAMILIES["gemma3_text"].eagle == ("eagle3",)  # EAGLE-1's fc would read Gemma's unscaled embedding
+    assert supporting("gguf") == ("gemma3_text", "llama")
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
@@ -74,19 +76,20 @@ def test_every_reader_follows_the_table(model_type):
     if entry.decode:
         logits, _ = Decoder.from_model(model, max_len=8)(torch.arange(4), 0)
         assert logits.shape == (4, 128) and torch.isfinite(logits).all()
-    if entry.eagle:
-        assert EagleHead.from_target(model, "eagle").config.hidden_size == 64
-    else:
-        with pytest.raises(ValueError, match=f"model_type '{model_type}' are not supported; supported: llama, "
-                                             "mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe$"):
-            EagleHead.from_target(model, "eagle")
+    for kind, takers in (("eagle", "llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe"),
+                         ("eagle3", "gemma3_text, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe")):
+        if kind in entry.eagle:
+            assert EagleHead.from_target(model, kind).config.hidden_size == 64
+        else:
+            with pytest.raises(ValueError, match=f"model_type '{model_type}' are not supported; supported: {takers}$"):
+                EagleHead.from_target(model, kind)
 
 
 def test_an_unknown_family_is_refused_naming_the_supported_ones():
     with pytest.raises(UnsupportedFamily, match=r"'gpt2' is not supported; supported: gemma, gemma2, gemma3_text, "
                                                 r"llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe$"):
         family("gpt2")
-    with pytest.raises(UnsupportedFamily, match=r"'gemma2' is not supported for eagle; supported: llama, mistral"):
+    with pytest.raises(UnsupportedFamily, match=r"'gemma2' is not supported for eagle; supported: gemma3_text, llama"):
         family("gemma2", "eagle")
     with pytest.raises(ValueError, match="unknown capability 'train'; one of decode, eagle"):
         supporting("train")
@@ -99,7 +102,7 @@ def test_an_unknown_family_is_refused_naming_the_supported_ones():
         decoder_layers(model)
     with pytest.raises(DecodeError, match="does not support model_type 'gpt2'; it decodes gemma, gemma2"):
         Decoder.from_model(model, max_len=8)
-    with pytest.raises(ValueError, match="EAGLE heads for model_type 'gpt2' are not supported"):
+    with pytest.raises(ValueError, match=r"EAGLE heads \(eagle\) for model_type 'gpt2' are not supported"):
         EagleHead.from_target(model, "eagle")
 
 
@@ -144,5 +147,5 @@ def test_the_readme_lists_what_the_table_declares():
         assert row["quantize"] == ", ".join(METHODS), name
         assert row["formats"] == ", ".join(n for n, module in FORMATS.items() if module.CHECKPOINT or entry.gguf), name
         assert row["decode"] == ("yes" if entry.decode else "no"), name
-        heads = (["medusa"] if entry.decode else []) + (["eagle", "eagle3"] if entry.eagle else [])
+        heads = (["medusa"] if entry.decode else []) + list(entry.eagle)
         assert row["heads"] == (", ".join(heads) or "none"), name

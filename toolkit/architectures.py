@@ -26,10 +26,11 @@ Linears inside a decoder layer are found by module type and how they share input
 |             | weighted by sigmoid(``shared_expert_gate``)                                                    |
 
 What compound does with each: every family quantizes to every format; ``decode`` marks those ``toolkit.decode`` runs
-(and so Medusa heads, selected in that loop), ``eagle`` those EAGLE heads (``toolkit.heads.eagle``) can draft for, and
-``gguf`` those written as GGUF files for llama.cpp (``toolkit.formats.gguf``). ``--rotate hadamard`` (``toolkit.rotate``)
-rotates the residual stream of every family whose entry ``rotates_residual`` (all but Gemma 2/3, whose norms on the
-branch outputs do not commute with a rotation) and the values of every attention head of every family.
+(and so Medusa heads, selected in that loop), ``eagle`` the EAGLE head kinds (``toolkit.heads.eagle``) that can draft
+for it, and ``gguf`` names the llama.cpp architecture of those written as GGUF files (``toolkit.formats.gguf``).
+``--rotate hadamard`` (``toolkit.rotate``) rotates the residual stream of every family whose entry ``rotates_residual``
+(all but Gemma 2/3, whose norms on the branch outputs do not commute with a rotation) and the values of every attention
+head of every family.
 A Mixture-of-Experts layout is one more field of an entry (``Experts``: how its experts are named, which modules
 route, where the Hub stores the block); ``toolkit.experts`` turns transformers' fused expert tensors into one linear
 per expert projection, so every method and format treats an expert's projection as any other linear.
@@ -91,8 +92,9 @@ class Family:
     rope_by_layer_type: ``config.rope_parameters`` holds one scheme per layer type, the rotary module one
     ``{layer_type}_inv_freq`` each (Gemma 3). awq_groups: (preceding module, linears sharing its output) per decoder
     layer, the scaling groups of AWQ (arXiv 2306.00978 §3.2), paths relative to the layer. decode: ``toolkit.decode``
-    runs it. eagle: EAGLE heads can draft for it. gguf: ``compound convert --format gguf`` writes it as GGUF's
-    ``llama`` architecture (``toolkit.formats.gguf``).
+    runs it. eagle: the EAGLE head kinds (``toolkit.heads.eagle.KINDS``) that can draft for it. gguf: the llama.cpp
+    architecture (``general.architecture``) that ``compound convert --format gguf`` and ``quantize --gguf`` write it
+    as (``toolkit.formats.gguf``), None when GGUF export does not write it.
     """
 
     layers: str = "model.layers"
@@ -112,8 +114,8 @@ class Family:
         ("mlp.up_proj", (DOWN_PROJ,)),
     )
     decode: bool = True
-    eagle: bool = True
-    gguf: bool = False
+    eagle: tuple[str, ...] = ("eagle", "eagle3")
+    gguf: str | None = None
     experts: Experts | None = None
 
     @property
@@ -130,8 +132,10 @@ class Family:
 
 
 _LLAMA = Family()
-# The EAGLE head is a Llama layer over the target's embedding: no embedding scale, RoPE over the whole head.
-_GEMMA = dataclasses.replace(_LLAMA, norm_offset=1.0, embed_scale=True, eagle=False)
+# The EAGLE head is a Llama layer over the target's embedding: no embedding scale, RoPE over the whole head. EAGLE-3
+# normalizes the embedding it reads (input_layernorm), so Gemma's scale does not reach it: Gemma 3 takes eagle3 heads
+# (with the RoPE of its global layers, toolkit.heads.eagle), EAGLE-1's fc would read the unscaled table.
+_GEMMA = dataclasses.replace(_LLAMA, norm_offset=1.0, embed_scale=True, eagle=())
 _GEMMA2 = dataclasses.replace(
     _GEMMA, post_norms=True, query_pre_attn_scalar=True, softcap=True,
     awq_groups=tuple(("pre_feedforward_layernorm", names) if prev == "post_attention_layernorm" else (prev, names)
@@ -139,19 +143,20 @@ _GEMMA2 = dataclasses.replace(
 )
 
 FAMILIES: dict[str, Family] = {
-    "llama": dataclasses.replace(_LLAMA, gguf=True),
+    "llama": dataclasses.replace(_LLAMA, gguf="llama"),
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
     "qwen3": dataclasses.replace(_LLAMA, qk_norm=True),
     # A fused linear → linear group (v rows of qkv_proj → o_proj, up rows of gate_up_proj → down_proj) would fold
     # into part of the fused rows; those two groups are left out, so o_proj and down_proj are only clipped.
     "phi3": dataclasses.replace(
-        _LLAMA, qkv=("self_attn.qkv_proj",), gate_up=("mlp.gate_up_proj",), eagle=False,
+        _LLAMA, qkv=("self_attn.qkv_proj",), gate_up=("mlp.gate_up_proj",), eagle=(),
         awq_groups=(("input_layernorm", ("self_attn.qkv_proj",)), ("post_attention_layernorm", ("mlp.gate_up_proj",))),
     ),
     "gemma": _GEMMA,
     "gemma2": _GEMMA2,
-    "gemma3_text": dataclasses.replace(_GEMMA2, qk_norm=True, rope_by_layer_type=True),
+    "gemma3_text": dataclasses.replace(_GEMMA2, qk_norm=True, rope_by_layer_type=True, gguf="gemma3",
+                                       eagle=("eagle3",)),
 }
 
 

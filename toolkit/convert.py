@@ -11,7 +11,8 @@ hold exactly is refused with the reason (docs/formats.md §2–§5):
 | awq                | bits ≠ 4, per-channel scales (group_size −1), act-order groups (AWQ has no g_idx)     |
 | compressed-tensors | bits not 4 or 8, act-order groups (``actorder: group`` is no longer read), INT8 KV scales |
 | any                | a scale the target's scale dtype cannot hold exactly (e.g. bf16 scales into fp16)     |
-| gguf (a file)      | group size ≠ 32, act-order groups, asymmetric 8 bits, a non-llama family (``toolkit.gguf_export``) |
+| gguf (a file)      | group size ≠ 32, act-order groups, asymmetric 8 bits, a family without a llama.cpp         |
+|                    | architecture (``Family.gguf``: llama, gemma3_text; ``toolkit.gguf_export``)            |
 
 The manifest keeps the original quantization record and appends the conversion (formats, source path and the
 source's file hashes) to ``conversions``.

@@ -51,7 +51,7 @@ def checkpoint_gguf(directory: Path, output: Path, source_spec: str = "", overwr
     tensors = _checkpoint_tensors(directory, config)
     metadata = gguf.tokenizer_metadata(directory, _source_gguf(source_spec))
     header = _header(config, directory.name, tensors.types())
-    return gguf.write_gguf(output, {**header, **metadata}, tensors.listed(), overwrite)
+    return gguf.write_gguf(output, tensors.family.gguf, {**header, **metadata}, tensors.listed(), overwrite)
 
 
 def float_gguf(spec: str, output: Path, outtype: str = "F16", overwrite: bool = False) -> Path:
@@ -68,7 +68,7 @@ def float_gguf(spec: str, output: Path, outtype: str = "F16", overwrite: bool = 
         load_tokenizer(spec).save_pretrained(directory)
         metadata = gguf.tokenizer_metadata(Path(directory), _source_gguf(spec))
     header = _header(model.config, Path(spec).stem, {outtype})
-    return gguf.write_gguf(output, {**header, **metadata}, tensors.listed(), overwrite)
+    return gguf.write_gguf(output, tensors.family.gguf, {**header, **metadata}, tensors.listed(), overwrite)
 
 
 def file_name(directory: Path, type_name: str) -> Path:
@@ -87,11 +87,14 @@ def _header(config, name: str, types: set[str]) -> dict[str, tuple[str, object]]
 
 
 def check_family(config) -> None:
-    """FormatError unless ``config``'s family is one GGUF export writes (``Family.gguf``)."""
+    """FormatError unless ``config``'s family is one GGUF export writes (``Family.gguf``: its llama.cpp
+    architecture) and its architecture carries this config (``gguf.model_metadata``): refused before any weight is
+    read."""
     try:
         family(config.model_type, "gguf")
     except UnsupportedFamily as err:
-        raise FormatError(f"GGUF export writes llama.cpp's {gguf.ARCH} architecture: {err}") from None
+        raise FormatError(f"GGUF export writes the families llama.cpp has an architecture for: {err}") from None
+    gguf.model_metadata(config)
 
 
 def _source_gguf(spec: str) -> Path | None:
@@ -141,4 +144,5 @@ class QuantizedGGUF:
         """Write the file into ``staging``, the checkpoint directory being assembled (its tokenizer files saved)."""
         metadata = gguf.tokenizer_metadata(staging, _source_gguf(self.model_spec))
         header = _header(self.tensors.config, self.path.parent.name, self.tensors.types())
-        return gguf.write_gguf(staging / self.path.name, {**header, **metadata}, self.tensors.listed())
+        return gguf.write_gguf(staging / self.path.name, self.tensors.family.gguf, {**header, **metadata},
+                               self.tensors.listed())

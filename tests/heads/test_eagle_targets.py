@@ -1,7 +1,8 @@
-"""EAGLE-3 heads for the targets beyond Llama that vLLM drafts for (its Qwen3 and Qwen3-MoE EAGLE-3 support): train-heads
-on a tiny Qwen3 (with a head width other than hidden / heads, as real Qwen3 has) and a tiny Qwen3-MoE through the CLI,
-then the export's names, shapes and config (the draft is a one-layer Llama over the target's features, the layout
-vLLM's ``LlamaForCausalLMEagle3`` reads whatever the target), and validate --heads decoding losslessly in every shape."""
+"""EAGLE-3 heads for the targets beyond Llama that vLLM drafts for (its Qwen3 and Qwen3-MoE EAGLE-3 support), and for
+Gemma 3: train-heads on a tiny Qwen3 (with a head width other than hidden / heads, as real Qwen3 has), a tiny Qwen3-MoE
+and a tiny Gemma 3 through the CLI, then the export's names, shapes and config (the draft is a one-layer Llama over the
+target's features, the layout vLLM's ``LlamaForCausalLMEagle3`` reads whatever the target), and validate --heads
+decoding losslessly in every shape."""
 
 import json
 
@@ -13,7 +14,9 @@ from conftest import tiny_model
 from toolkit.cli import app
 from toolkit.heads.eagle_export import expected_eagle_tensors, load_eagle
 
-TARGETS = {"qwen3": dict(head_dim=32), "qwen3_moe": dict(layers=4)}
+# Gemma 3: sliding and global layers with RoPE schemes of their own (the head takes the global one), a scaled embedding
+TARGETS = {"qwen3": dict(head_dim=32), "qwen3_moe": dict(layers=4),
+           "gemma3_text": dict(layer_types=["sliding_attention", "full_attention"] * 2)}
 
 
 @pytest.mark.parametrize("model_type", list(TARGETS))

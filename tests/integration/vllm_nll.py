@@ -13,7 +13,8 @@ Prints one JSON line on stdout: {"nll", "tokens", "quantization", "kernels", "dt
 (1.0 each when the checkpoint has none its quantization config lets vLLM read).
 
 ``--broken DIR``: after scoring, in the same process (vLLM imported once), load DIR the same way and report the
-error that refused it (``broken_error``; null if it loaded).
+error that refused it (``broken_error``; null if it loaded). ``--also DIR``: after scoring, in the same process,
+score DIR the same way too (its own engine), reported under "also" with the same keys.
 
 ``--strict-weights`` forces vLLM's missing-weight check (``DefaultModelLoader.track_weights_loading``), which
 by default runs only for unquantized models: it is switched on with
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                         "by the checkpoint's k_scale / v_scale). auto is fp8 for a checkpoint that declares a "
                         "compressed-tensors kv_cache_scheme, the model dtype otherwise")
     parser.add_argument("--broken", default=None, help="a checkpoint to load after scoring; its error is reported")
+    parser.add_argument("--also", default=None, help="a checkpoint to score after the first, in the same process")
     args = parser.parse_args(argv)
 
     windows = json.loads(open(args.tokens).read())
@@ -77,10 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tee = sys.stderr = _Tee(sys.stderr)
 
-    import vllm
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
+    from vllm import LLM
 
     longest = max(map(len, windows))
     kwargs = dict(
@@ -97,6 +96,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.strict_weights:
         kwargs["model_loader_extra_config"] = {"enable_weights_track": True}
     llm = LLM(**kwargs)
+    result = _score(llm, windows, args.dtype, tee.kernels)
+    if args.also:
+        del llm
+        _release_engine()
+        tee.kernels = {}
+        llm = LLM(**{**kwargs, "model": args.also})
+        result["also"] = _score(llm, windows, args.dtype, tee.kernels)
+    if args.broken:
+        del llm
+        _release_engine()
+        try:
+            LLM(**{**kwargs, "model": args.broken})
+            result["broken_error"] = None
+        except Exception as err:  # vLLM raises ValueError / RuntimeError depending on where loading fails
+            result["broken_error"] = f"{type(err).__name__}: {err}"
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def _score(llm, windows: list[list[int]], dtype: str, kernels: dict[str, str]) -> dict:
+    """The mean NLL of ``windows`` under ``llm`` and what vLLM ran it with."""
+    import vllm
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 
     # prompt_logprobs=0: for each prompt position, only the logprob of the actual prompt token (the top-0
     # candidates plus the token itself); position 0 is None (no context). Raw logprobs of the model's logits.
@@ -114,27 +137,16 @@ def main(argv: list[str] | None = None) -> int:
             total -= lp
             count += 1
 
-    quant = llm.llm_engine.vllm_config.model_config.quantization
-    result = {
+    return {
         "nll": total / count,
         "tokens": count,
-        "quantization": quant,
-        "kernels": tee.kernels,
-        "dtype": args.dtype,
+        "quantization": llm.llm_engine.vllm_config.model_config.quantization,
+        "kernels": dict(kernels),
+        "dtype": dtype,
         "kv_cache_dtype": llm.llm_engine.vllm_config.cache_config.cache_dtype,  # as resolved ("auto": model dtype)
         "kv_scales": llm.apply_model(_kv_scales)[0],
         "vllm": vllm.__version__,
     }
-    if args.broken:
-        del llm
-        _release_engine()
-        try:
-            LLM(**{**kwargs, "model": args.broken})
-            result["broken_error"] = None
-        except Exception as err:  # vLLM raises ValueError / RuntimeError depending on where loading fails
-            result["broken_error"] = f"{type(err).__name__}: {err}"
-    print(json.dumps(result), flush=True)
-    return 0
 
 
 def _kv_scales(model) -> list[list[float]]:

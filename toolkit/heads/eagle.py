@@ -31,13 +31,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toolkit.architectures import UnsupportedFamily, family
+from toolkit.architectures import FAMILIES, UnsupportedFamily, family, supporting
 from toolkit.decode.model import apply_rope, rope_frequencies
 
 KINDS = ("eagle", "eagle3")
+# The layer type whose RoPE scheme a head takes from a target with one per layer type (Gemma 3): the global one, as
+# the draft layer attends over the whole sequence.
+HEAD_LAYER_TYPE = "full_attention"
 # The token loss against the target: "kl", forward KL(target || draft) over the draft vocabulary (soft labels, the
 # default of speculators); "ce", cross-entropy on the target's own greedy token (hard labels).
 LOSSES = ("kl", "ce")
+
+
+def check_family(model_type: str | None, kind: str) -> None:
+    """ValueError, naming the families that take them, unless ``kind`` heads can draft for ``model_type``
+    (``Family.eagle``)."""
+    try:
+        if kind in family(model_type, "eagle").eagle:
+            return
+    except UnsupportedFamily:
+        pass
+    supported = [name for name in supporting("eagle") if kind in FAMILIES[name].eagle]
+    raise ValueError(f"EAGLE heads ({kind}) for model_type {model_type!r} are not supported; supported: "
+                     f"{', '.join(supported)}")
 
 
 @dataclass(frozen=True)
@@ -208,24 +224,24 @@ class EagleHead(nn.Module):
         "Draft heads vs peers: what SpecForge's head had that compound's lacked" in docs/investigations.md).
         """
         c = target.config
-        try:
-            family(c.model_type, "eagle")
-        except UnsupportedFamily as err:
-            raise ValueError(f"EAGLE heads for model_type {c.model_type!r} are not supported; supported: "
-                             f"{', '.join(err.supported)}") from None
+        check_family(c.model_type, kind)
         V = target.get_output_embeddings().weight.shape[0]
         vocab = torch.arange(V) if draft_vocab is None else torch.as_tensor(draft_vocab, dtype=torch.long).unique()
         if kind == "eagle3" and aux_layers is None:
             aux_layers = default_aux_layers(c.num_hidden_layers)
         rope = {key: getattr(c, key) for key in ("rope_theta", "rope_scaling", "rope_parameters",
                                                  "max_position_embeddings") if getattr(c, key, None) is not None}
+        if family(c.model_type).rope_by_layer_type:
+            rope["rope_parameters"] = c.rope_parameters[HEAD_LAYER_TYPE]
         config = EagleConfig(
             kind=kind, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
             num_attention_heads=c.num_attention_heads,
             num_key_value_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
             head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
             vocab_size=V, draft_vocab_size=len(vocab) if kind == "eagle3" else V, rms_norm_eps=c.rms_norm_eps,
-            hidden_act=c.hidden_act, aux_layers=tuple(aux_layers or ()), target_layers=c.num_hidden_layers,
+            # a Gemma target names its activation hidden_activation; the head, a Llama layer, keeps SiLU
+            hidden_act=getattr(c, "hidden_act", EagleConfig.hidden_act),
+            aux_layers=tuple(aux_layers or ()), target_layers=c.num_hidden_layers,
             rope=rope)
         head = cls(config)
         if kind == "eagle3":
@@ -248,7 +264,8 @@ class EagleHead(nn.Module):
         self.embed = embed.detach().to(dtype)
         if self.config.kind == "eagle":
             self.target_lm_head = target.get_output_embeddings().weight.detach().to(dtype)
-        inv_freq, self.attention_scaling = rope_frequencies(target)
+        layer_type = HEAD_LAYER_TYPE if family(target.config.model_type).rope_by_layer_type else None
+        inv_freq, self.attention_scaling = rope_frequencies(target, layer_type)
         self.inv_freq = inv_freq.detach().float()
         return self
 

@@ -10,9 +10,10 @@ import copy
 import json
 from pathlib import Path
 
-from toolkit.architectures import UnsupportedFamily, family
 from toolkit.formats.checkpoint import MANIFEST
-from toolkit.heads.eagle import EagleConfig, EagleHead, default_aux_layers, draft_vocabulary, eagle3_loss, eagle_loss
+from toolkit.heads.eagle import (
+    EagleConfig, EagleHead, check_family, default_aux_layers, draft_vocabulary, eagle3_loss, eagle_loss,
+)
 from toolkit.heads.eagle_draft import EagleDrafter, TreeShape, eagle_decoder
 from toolkit.heads.eagle_export import ARCHITECTURES, export_eagle, load_eagle, serving_flags
 from toolkit.heads.kinds import Built, HeadKind, first_draft_labels, register
@@ -68,10 +69,10 @@ class EagleKind(HeadKind):
 
     def check_target(self, opts: EagleOptions, config, vocab_size: int) -> None:
         try:
-            family(config.model_type, "eagle")
-        except UnsupportedFamily as err:
-            raise ValueError(f"--head {self.name} cannot draft for a {config.model_type} target: EAGLE heads support "
-                             f"{', '.join(err.supported)}; use --head medusa") from None
+            check_family(config.model_type, self.name)
+        except ValueError as err:
+            raise ValueError(f"--head {self.name} cannot draft for a {config.model_type} target: {err}; use --head "
+                             "medusa") from None
 
     def train_dir(self, opts: EagleOptions) -> str:
         return f"train-{self.name}{_loss_suffix(opts)}"
