@@ -197,7 +197,8 @@ def run_one(run: Run, args, model: str, float_dir: Path, precision: tuple[int, i
         done = out / "result.json"  # the runner writes it last, after the dequantized copy
         python = VENVS / run.tool / "bin" / "python"
         if not python.exists():
-            return {"failed": f"no venv: run {'scripts/setup_autoround.sh' if run.tool == 'autoround' else 'benchmarks/peers/setup.sh ' + run.tool}"}
+            setup = "scripts/setup_autoround.sh" if run.tool == "autoround" else f"benchmarks/peers/setup.sh {run.tool}"
+            return {"failed": f"no venv: run {setup}"}
         command = [str(python), str(ROOT / "benchmarks" / "peers" / f"run_{run.tool}.py"), "--model", str(float_dir),
                    "--calib", str(calib), "--method", run.method, "--bits", str(bits), "--group-size",
                    str(group_size), "--out", str(out), "--threads", str(args.threads), "--rotate", run.rotate]
@@ -418,8 +419,8 @@ def report(args, measured: dict) -> None:
                 + ("Each method at its defaults, then one setting changed at a time." if defaults else
                    f"Grid: {args.grid}metric for every tool; GPTQ act-order {'on' if args.act_order else 'off'} "
                    f"(static groups) for every tool; SignRound and AutoRound {args.iters} iterations; llm-compressor's "
-                   "rotation: SpinQuant R1+R2 with its Hadamard transform (deterministic: powers of two only) or its random "
-                   "one.")
+                   "rotation: SpinQuant R1+R2 with its Hadamard transform (deterministic: powers of two only) or "
+                   "its random one.")
                 + " KL: mean KL(float ‖ quantized) per token in nats; Δ and the ratio: perplexity against the float "
                 "model's on the same windows. Both models' float weights were dequantized from GGUF (SmolLM2 from "
                 "Q4_1, Gemma-3 from Q4_K_M), which flatters an asymmetric grid at small group sizes.")
