@@ -136,7 +136,7 @@ def defaults_runs(args, float_dir: Path, bits: int) -> list[Run]:
             changes.append(("act_order", not default.act_order))
         if CONFIGS[method].needs_activations:
             changes += [("samples", n) for n in args.default_samples if n != args.calib_samples]
-        fitted = default.fitted({role: w for role, w in widths(float_dir).items()})[0].group_size
+        fitted = default.fitted(widths(float_dir))[0].group_size  # the group size compound would choose
         changes += [("group_size", g) for g in sorted(STANDARD_GROUP_SIZES) if g != fitted
                     and not skipped(float_dir, g)]
         iters = args.iters if method == "signround" else None
