@@ -17,10 +17,13 @@ that drifts toward it), on ShareGPT's eval split and on text unlike it (the code
         [--calib-samples 128] [--seq-len 512] [--iters 200] [--grid asym] [--reuse] [--no-write]
     python benchmarks/frontier.py --defaults [--default-samples 32,128,512] ...   # compound's defaults, measured
 
+``--grid sym`` writes a section of its own (compound stores 3-bit weights only symmetric, in the GPTQ layout, so
+its asymmetric W3 rows fail with that message; AutoRound's own default grid is symmetric). A failed or missing row is
+rerun by the same command with ``--reuse``: every finished run and score is taken from the cache, the rest is run.
+
 ``--defaults`` measures compound alone, one setting at a time from each method's defaults: the grid (sym / asym),
 act-order (on / off, GPTQ's), calibration samples and group size, at the first precision's bits, on each model; it
-writes its own section. ``--reuse`` takes every finished run (and its score) from benchmarks/.cache/frontier instead
-of running it again, so a failed or missing row can be rerun alone.
+writes its own section. Runs, scores and logs are kept under benchmarks/.cache/frontier/<model>/<precision>-<settings>.
 """
 
 from __future__ import annotations
@@ -431,7 +434,8 @@ def report(args, measured: dict) -> None:
              if isinstance(rows, list) else rows for k, rows in results.items()} for m, results in measured.items()},
         indent=2, default=str))
     if not args.no_write:
-        update_section(DEFAULTS_TITLE if defaults else TITLE, body)
+        update_section(DEFAULTS_TITLE if defaults else TITLE + ("" if args.grid == "asym" else " (symmetric grid)"),
+                       body)
 
 
 if __name__ == "__main__":
