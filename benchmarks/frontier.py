@@ -179,8 +179,9 @@ def last_message(log: Path) -> str:
 
 def run_one(run: Run, args, model: str, float_dir: Path, precision: tuple[int, int] | None, calib: Path,
             fingerprint: str, runs_dir: Path) -> dict:
-    """Quantize with ``run`` (or reuse its finished result); a dict with the result's directory and loader, or
-    the failure's message; wall seconds and peak RSS MiB either way."""
+    """Quantize with ``run`` (or reuse its finished result): a dict with the result's directory and whether it is
+    compound's packed checkpoint (else a peer's dequantized copy), or the failure's message; wall seconds and peak
+    RSS MiB either way."""
     from quantize_vs_peers import recorded, timed
 
     from toolkit.engine.threads import ThreadSettings
@@ -238,7 +239,9 @@ def score(result: dict, base, held_out: dict, args) -> dict:
     for name, windows in held_out.items():
         d = divergence(model, base, windows, batch_size=1)  # one window at a time: Gemma's 262k-token logits
         scores[name] = {k: v for k, v in vars(d).items() if k not in ("kl_counts", "window_nll", "base_window_nll")}
-    cached.write_text(json.dumps(scores, indent=2))
+    partial = cached.with_name(cached.name + ".partial")
+    partial.write_text(json.dumps(scores, indent=2))
+    partial.replace(cached)  # whole or absent: a killed run leaves no half-written score to reuse
     return scores
 
 
