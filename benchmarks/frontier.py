@@ -81,7 +81,15 @@ class Run:
     @property
     def setting(self) -> str:
         """The changed setting as the table shows it ("defaults" when none is)."""
-        return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in self.change) or "defaults"
+        return ", ".join(SETTING_LABELS[k](v) for k, v in self.change) or "defaults"
+
+
+SETTING_LABELS = {  # --defaults: how the table names each changed setting
+    "sym": lambda sym: "symmetric grid" if sym else "asymmetric grid",
+    "act_order": lambda on: f"act-order {'on' if on else 'off'}",
+    "samples": lambda n: f"{n} calibration samples",
+    "group_size": lambda g: f"group size {g}",
+}
 
 
 def parse_list(text: str, choices: tuple[str, ...], flag: str) -> list[str]:
@@ -308,10 +316,12 @@ def defaults_findings(model: str, rows: list[tuple[Run, dict]]) -> list[str]:
         base = next((r for run, r in mine if not run.change), None)
         for knob in dict.fromkeys(run.change[0][0] for run, _ in mine if run.change):
             options = [(run.setting, r) for run, r in mine if run.change and run.change[0][0] == knob]
-            options += [("default", base)] if base else []
+            options += [("the default", base)] if base else []
             best, r = min(options, key=lambda item: item[1]["scores"]["sharegpt"]["kl"])
-            lines.append(f"- {model} {method}, {knob.replace('_', ' ')}: lowest KL at {best} "
-                         f"({r['scores']['sharegpt']['kl']:.4f})")
+            kl = r["scores"]["sharegpt"]["kl"]
+            line = f"- {model} {method}, {'grid' if knob == 'sym' else knob.replace('_', ' ')}: lowest KL at {best} ({kl:.4f}"
+            line += f"; the default's {base['scores']['sharegpt']['kl']:.4f})" if base and r is not base else ")"
+            lines.append(line)
     return lines
 
 
