@@ -319,7 +319,8 @@ def defaults_findings(model: str, rows: list[tuple[Run, dict]]) -> list[str]:
             options += [("the default", base)] if base else []
             best, r = min(options, key=lambda item: item[1]["scores"]["sharegpt"]["kl"])
             kl = r["scores"]["sharegpt"]["kl"]
-            line = f"- {model} {method}, {'grid' if knob == 'sym' else knob.replace('_', ' ')}: lowest KL at {best} ({kl:.4f}"
+            name = "grid" if knob == "sym" else knob.replace("_", " ")
+            line = f"- {model} {method}, {name}: lowest KL at {best} ({kl:.4f}"
             line += f"; the default's {base['scores']['sharegpt']['kl']:.4f})" if base and r is not base else ")"
             lines.append(line)
     return lines
