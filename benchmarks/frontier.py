@@ -4,7 +4,7 @@ Instruct, Gemma-3 270M) at W4 g64, W3 g64 and W4 g128 (where 128 divides every w
 
 Every tool quantizes the same float32 checkpoint (``benchmarks/peers/export_float.py``) on the same calibration tokens
 (one file; compound's own, rebuilt from the same spec, is checked against it by fingerprint) in its own process (peers
-in their own venvs: ``benchmarks/peers/setup.sh``, ``scripts/setup_autoround.sh``) under ``/usr/bin/time`` for wall
+in their own venvs, made by ``benchmarks/peers/setup.sh``) under ``/usr/bin/time`` for wall
 time and peak RSS. compound's evaluator then scores every result against the float model on the same held-out
 windows: KL divergence and top-1 agreement first (perplexity on text like the calibration data flatters a method
 that drifts toward it), on ShareGPT's eval split and on text unlike it (the code and non-English eval slices,
@@ -209,8 +209,7 @@ def run_one(run: Run, args, model: str, float_dir: Path, precision: tuple[int, i
         done = out / "result.json"  # the runner writes it last, after the dequantized copy
         python = VENVS / run.tool / "bin" / "python"
         if not python.exists():
-            setup = "scripts/setup_autoround.sh" if run.tool == "autoround" else f"benchmarks/peers/setup.sh {run.tool}"
-            return {"failed": f"no venv: run {setup}"}
+            return {"failed": f"no venv: run bash benchmarks/peers/setup.sh {run.tool}"}
         command = [str(python), str(ROOT / "benchmarks" / "peers" / f"run_{run.tool}.py"), "--model", str(float_dir),
                    "--calib", str(calib), "--method", run.method, "--bits", str(bits), "--group-size",
                    str(group_size), "--out", str(out), "--threads", str(args.threads), "--rotate", run.rotate]
