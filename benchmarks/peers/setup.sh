@@ -2,7 +2,7 @@
 # Create one clean virtual env per peer quantization tool under benchmarks/.venvs/<peer>
 # and install the peer there, with torch pinned to the CPU build 2.13.0.
 #
-#   bash benchmarks/peers/setup.sh                 # both peers
+#   bash benchmarks/peers/setup.sh                 # every peer (GPTQModel, llm-compressor, AutoRound)
 #   bash benchmarks/peers/setup.sh gptqmodel       # one peer
 #
 # torch is installed FIRST (pip picks the local CPU wheel from /opt/wheels), then the peer
@@ -54,6 +54,11 @@ install_gptqmodel() {
     bash "$ROOT/scripts/setup_gptqmodel.sh" "$VENVS/gptqmodel"
 }
 
+install_autoround() {
+    # scripts/setup_autoround.sh's venv, made here under benchmarks/.venvs (benchmarks/frontier.py's peer)
+    bash "$ROOT/scripts/setup_autoround.sh" "$VENVS/autoround"
+}
+
 install_llmcompressor() {
     make_venv llmcompressor
     local py="$VENVS/llmcompressor/bin/python"
@@ -63,10 +68,11 @@ install_llmcompressor() {
 }
 
 peers=("$@")
-[[ ${#peers[@]} -eq 0 ]] && peers=(gptqmodel llmcompressor)
+[[ ${#peers[@]} -eq 0 ]] && peers=(gptqmodel llmcompressor autoround)
 for p in "${peers[@]}"; do
     case "$p" in
         gptqmodel) install_gptqmodel ;;
+        autoround) install_autoround ;;
         llmcompressor) install_llmcompressor ;;
         *) echo "unknown peer: $p" >&2; exit 2 ;;
     esac
