@@ -83,11 +83,12 @@ def compare_perplexity(model_spec: str, base_spec: str, dataset: str, windows: i
     """(model's, base's) perplexity on the same ``windows`` × ``seq_len`` held-out tokens of ``dataset``, each model
     loaded in float32 in turn (never both at once); ``on_batch(spec, windows_done)`` reports progress."""
     from toolkit.calibration import eval_windows
+    from toolkit.models import resolve_model
     from toolkit.runtime.load import load_model_or_checkpoint
 
     scores = []
     for spec in (model_spec, base_spec):
-        model, tokenizer = load_model_or_checkpoint(spec, torch.float32)
+        model, tokenizer = load_model_or_checkpoint(resolve_model(spec), torch.float32)
         tokens = eval_windows(tokenizer, dataset, windows, seq_len)
         scores.append(perplexity(model, tokens, on_batch=(lambda n, s=spec: on_batch(s, n)) if on_batch else None))
         del model
