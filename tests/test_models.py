@@ -85,8 +85,8 @@ def test_local_directory_loads(tiny_llama_dir):
 
 @pytest.mark.slow
 def test_a_gguf_config_is_parsed_once_per_process(monkeypatch):
-    """Two resolutions of the alias (a skeleton, then load_model) read the embedded GGUF's config once (each parse of the file takes seconds);
-    each caller gets its own copy."""
+    """Two resolutions of the alias (a skeleton, then load_model) read the embedded GGUF's config once (each parse of
+    the file takes seconds); each caller gets its own copy."""
     import transformers
 
     from toolkit import models

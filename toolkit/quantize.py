@@ -122,7 +122,8 @@ def quantize(
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> QuantizeResult:
-    """Quantize ``model`` (a spec, resolved once here, or its ``ModelSource``) with ``config`` and write a ``settings.format`` checkpoint to ``output`` (atomically).
+    """Quantize ``model`` (a spec, resolved once at step 2, or its ``ModelSource``) with ``config`` and write a
+    ``settings.format`` checkpoint to ``output`` (atomically).
 
     kv_cache: ``"fp8"`` or ``"int8"`` also calibrates static KV-cache scales (``toolkit.quant.kv_cache``): the absmax
     of every layer's post-RoPE keys and values on the calibration batch, run through the quantized model, over 448

@@ -59,8 +59,8 @@ def test_cache_written_from_a_streamed_target_is_the_in_memory_cache(sharded_lla
     layers = (1, 3, -1)
     expected = hs.cache_hidden_states(load_model(str(sharded_llama), torch.bfloat16), examples, tmp_path / "memory",
                                       layers=layers, batch_tokens=64, progress=False)
-    got = hs.cache_hidden_states(StreamedTarget(resolve_model(str(sharded_llama))), examples, tmp_path / "streamed", layers=layers,
-                                 batch_tokens=64, progress=False)
+    got = hs.cache_hidden_states(StreamedTarget(resolve_model(str(sharded_llama))), examples, tmp_path / "streamed",
+                                 layers=layers, batch_tokens=64, progress=False)
     assert len(got) == len(expected) == len(examples)
     for a, b in zip(got, expected):
         assert all(torch.equal(a[key], b[key]) for key in ("hidden", "input_ids", "loss_mask"))

@@ -182,15 +182,16 @@ def recommended(reports: Sequence[AcceptanceReport]) -> AcceptanceReport:
     return max((r for r in reports if r.lossless), key=lambda r: r.speculative_tokens_per_s, default=reports[0])
 
 
-def validate_heads(target_model: str | ModelSource, heads_dir, prompts: int = 8, max_new_tokens: int = 64, skip: int = 4,
-                   dtype: torch.dtype = torch.float32, categories: Sequence[str] = ("all",),
+def validate_heads(target_model: str | ModelSource, heads_dir, prompts: int = 8, max_new_tokens: int = 64,
+                   skip: int = 4, dtype: torch.dtype = torch.float32, categories: Sequence[str] = ("all",),
                    tree: TreeShape | None = None, chain: int | None = None,
                    explore: bool = True) -> list[AcceptanceReport]:
     """Heads from ``heads_dir`` (of any kind: ``toolkit.heads.load.load_head``) drafting for ``target_model`` (a
-    spec, resolved once here, or its ``ModelSource``; run in ``dtype``) on held-out prompts, in the shapes their kind validates (``HeadKind.validation_shapes``). Medusa: its
-    static tree and the top-1 chain that vLLM serves. EAGLE: ``tree`` (an EAGLE-2 dynamic tree as SGLang drafts) and
-    vLLM's chain of ``chain`` tokens (defaults: ``toolkit.heads.kinds.eagle.trained_shape``), and on the first
-    category (with ``explore``) neighbouring shapes to recommend the fastest (``recommended``).
+    spec, resolved once here, or its ``ModelSource``; run in ``dtype``) on held-out prompts, in the shapes their kind
+    validates (``HeadKind.validation_shapes``). Medusa: its static tree and the top-1 chain that vLLM serves. EAGLE:
+    ``tree`` (an EAGLE-2 dynamic tree as SGLang drafts) and vLLM's chain of ``chain`` tokens (defaults:
+    ``toolkit.heads.kinds.eagle.trained_shape``), and on the first category (with ``explore``) neighbouring shapes to
+    recommend the fastest (``recommended``).
     categories: prompt subsets (``CATEGORIES``), each reported separately (mode suffixed with the category); a slice
     the held-out split has no prompt of is left out.
 

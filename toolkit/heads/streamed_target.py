@@ -30,8 +30,9 @@ class StreamedTarget:
         backbone = self.model.get_submodule(arch_spec(self.model).layers.rpartition(".")[0])
         self.norm = getattr(backbone, "norm", None)
         if not isinstance(self.norm, nn.Module):
-            raise ModelError(f"{source.spec}: no final norm at {arch_spec(self.model).layers.rpartition('.')[0]}.norm, so "
-                             "its last hidden state cannot be computed layer by layer; run without --stream-target")
+            raise ModelError(f"{source.spec}: no final norm at {arch_spec(self.model).layers.rpartition('.')[0]}"
+                             ".norm, so its last hidden state cannot be computed layer by layer; run without "
+                             "--stream-target")
 
     @property
     def config(self):
