@@ -19,9 +19,9 @@ def resolved(monkeypatch):
 
 def test_each_verb_resolves_each_model_it_is_given_once(tiny_llama_dir, tmp_path, resolved, one_thread):
     target, checkpoint, heads = str(tiny_llama_dir), tmp_path / "gptq", tmp_path / "heads"
-    verbs = [  # (argv, the specs it names, each to be resolved once)
+    verbs = [  # (argv, the specs it names, each to be resolved once: quantize --eval scores the model it quantized)
         (["quantize", "--model", target, "--method", "gptq", "--group-size", "32", "--samples", "2", "--seq-len",
-          "16", "-o", checkpoint], [target]),
+          "16", "-o", checkpoint, "--eval", "--eval-windows", "1"], [target, str(checkpoint)]),
         (["train-heads", "--model", target, "-o", heads, *CHEAP_HEADS], [target]),
         (["eval", "--model", checkpoint, "--base", target, "--windows", "1", "--seq-len", "16", "--no-generation",
           "-o", tmp_path / "eval"], [str(checkpoint), target]),

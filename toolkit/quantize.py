@@ -110,10 +110,11 @@ class QuantizeResult:
     config: WeightQuantConfig | None = None  # as run: the group size fitted to the model
     choices: dict[str, str] = field(default_factory=dict)  # "format" / "group size" → what was chosen and why
     experts: dict | None = None  # Mixture-of-Experts calibration: ``expert_report``
+    model: ModelSource | None = None  # the model quantized, as resolved (``quantize --eval`` scores it)
 
 
 def quantize(
-    model: str | ModelSource,
+    target: str | ModelSource,
     config: WeightQuantConfig,
     output: Path | str,
     calibration: CalibrationSpec | None = None,
@@ -122,7 +123,7 @@ def quantize(
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> QuantizeResult:
-    """Quantize ``model`` (a spec, resolved once at step 2, or its ``ModelSource``) with ``config`` and write a
+    """Quantize ``target`` (a model spec, resolved once at step 2, or its ``ModelSource``) with ``config`` and write a
     ``settings.format`` checkpoint to ``output`` (atomically).
 
     kv_cache: ``"fp8"`` or ``"int8"`` also calibrates static KV-cache scales (``toolkit.quant.kv_cache``): the absmax
@@ -186,7 +187,7 @@ def quantize(
         _check_data_parallel(config, calibration, world)
     if rank == 0:
         _remove_leftovers(output, progress)
-    source = resolve_model(model, trust_remote_code)
+    source = resolve_model(target, trust_remote_code)
     skeleton = source.empty(torch.float32)  # 2
     config = with_routers(config, skeleton)
     config, group_reason = config.fitted(input_widths(skeleton, config))  # 3
@@ -268,7 +269,7 @@ def quantize(
     if stream and not writes:
         errors = run_layers(StreamedLayers(model, shards, lambda index, layer: None))
         distributed.barrier()  # rank 0 is writing the checkpoint
-        return _result(output, started, errors, plan, config, choices, routed)
+        return _result(output, started, errors, plan, config, choices, routed, source)
     with _resumable(checkpoints):
         if stream:
             errors = _quantize_streamed(output, model, shards, tokenizer, packed, run_layers, dtype, overwrite,
@@ -292,7 +293,7 @@ def quantize(
                 write_checkpoint(output, model, tokenizer, packed, quantization_config, manifest(errors, kv_info),  # 9
                                  dtype, overwrite, extra_tensors=kv_tensors, then=gguf_file and gguf_file.write)
     distributed.barrier()
-    return _result(output, started, errors, plan, config, choices, routed)
+    return _result(output, started, errors, plan, config, choices, routed, source)
 
 
 @contextlib.contextmanager
@@ -429,9 +430,9 @@ def _quantize_streamed(output, model, shards, tokenizer, packed, run_layers, dty
     return errors
 
 
-def _result(output, started, errors, plan, config, choices, routed) -> QuantizeResult:
+def _result(output, started, errors, plan, config, choices, routed, source) -> QuantizeResult:
     return QuantizeResult(output, time.perf_counter() - started, peak_rss_mb(), errors, plan, config, choices,
-                          expert_report(config, routed) if routed else None)
+                          expert_report(config, routed) if routed else None, source)
 
 
 def peak_rss_mb() -> float:

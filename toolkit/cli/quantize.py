@@ -84,8 +84,8 @@ def quantize(
                 bar.advance(tasks[spec], n)
 
             try:
-                quantized, base = compare_perplexity(str(result.output), model, calibration.dataset, eval_windows,
-                                                     calibration.seq_len, on_batch=advance)
+                quantized, base = compare_perplexity(str(result.output), result.model, calibration.dataset,
+                                                     eval_windows, calibration.seq_len, on_batch=advance)
             except (*user_errors(), ValueError) as err:
                 Console().print(fit(table))
                 fail(ValueError(f"--eval failed, the checkpoint did not: {result.output} is complete and valid. "
