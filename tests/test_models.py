@@ -85,8 +85,8 @@ def test_local_directory_loads(tiny_llama_dir):
 
 @pytest.mark.slow
 def test_a_gguf_config_is_parsed_once_per_process(monkeypatch):
-    """empty_model, then load_model, read the embedded GGUF's config once (each parse of the file takes seconds);
-    each caller gets its own copy."""
+    """Two resolutions of the alias (a skeleton, then load_model) read the embedded GGUF's config once (each parse of
+    the file takes seconds); each caller gets its own copy."""
     import transformers
 
     from toolkit import models
@@ -96,7 +96,7 @@ def test_a_gguf_config_is_parsed_once_per_process(monkeypatch):
     real = transformers.AutoConfig.from_pretrained
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
                         lambda *a, **k: parses.append(k.get("gguf_file")) or real(*a, **k))
-    skeleton = models.empty_model("smollm2-135m")
+    skeleton = models.resolve_model("smollm2-135m").empty()
     model = load_model("smollm2-135m")
     assert parses == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
     assert model.config is not skeleton.config

@@ -26,12 +26,12 @@ def run(*args):
     (["--method", "gptq", "--dataset", "/no/such/file.jsonl"], "does not exist"),
 ])
 def test_bad_options_are_refused_before_any_work(runs, tiny_llama_dir, monkeypatch, args, message):
-    from toolkit import quantize as verb
+    from toolkit.models import ModelSource
 
     def never(*args, **kwargs):
         raise AssertionError("the model was loaded before the options were checked")
 
-    monkeypatch.setattr(verb, "load_tokenizer", never)
+    monkeypatch.setattr(ModelSource, "tokenizer", never)
     result = run("quantize", "--model", tiny_llama_dir, *TINY, *args, "-o", runs / "q")
     refused(result, message)
     assert list(runs.iterdir()) == []

@@ -39,11 +39,11 @@ def test_default_group_size_fits_the_model_and_says_why(tmp_path, tiny_llama_dir
 
 
 def test_an_invalid_group_size_is_refused_before_any_weight_loads(tmp_path, tiny_llama_dir, monkeypatch):
-    import toolkit.quantize
+    from toolkit.models import ModelSource
 
     loaded = []
-    monkeypatch.setattr(toolkit.quantize, "load_model", lambda *a, **k: loaded.append("model"))
-    monkeypatch.setattr(toolkit.quantize, "load_tokenizer", lambda *a, **k: loaded.append("tokenizer"))
+    monkeypatch.setattr(ModelSource, "load", lambda *a, **k: loaded.append("model"))
+    monkeypatch.setattr(ModelSource, "tokenizer", lambda *a, **k: loaded.append("tokenizer"))
     result = run("quantize", "--model", tiny_llama_dir, "--group-size", "128", "--output", tmp_path / "q")
     assert result.exit_code == 2, result.output
     assert "group_size 128 does not divide the input width" in unwrapped(result.output)

@@ -28,6 +28,14 @@ def _job(target, output, **overrides):
     return HeadsJob(model=str(target), output=output, **parts, **settings)
 
 
+def prepare_job(job, console):
+    """Phases 1-2 of ``job`` (``train_heads.prepare``), its target resolved as ``train_heads`` resolves it."""
+    from toolkit.models import resolve_model
+    from toolkit.train_heads import prepare
+
+    return prepare(job, resolve_model(job.model), console)
+
+
 def test_pipeline_trains_selects_and_exports(tiny_llama_dir, tmp_path, one_thread):
     from rich.console import Console
 
@@ -112,14 +120,13 @@ def test_same_command_under_torchrun(tiny_llama_dir, tmp_path):
     from rich.console import Console
 
     from toolkit.heads.hidden_states import HiddenStateDataset
-    from toolkit.train_heads import prepare
 
     ranked = HiddenStateDataset(tmp_path / "heads.work" / "hidden")
     assert {name.split("-")[1] for name in ranked.index["shards"]} == {"r000", "r001"}
     (tmp_path / "one.work").mkdir()  # the same examples (the distilled answers), cached by one process
     for piece in ("distill.jsonl", "made-for.json"):  # the answers, and the record of the target they are of
         (tmp_path / "one.work" / piece).write_text((tmp_path / "heads.work" / piece).read_text())
-    _, one, _ = prepare(_job(tiny_llama_dir, tmp_path / "one", batch_tokens=96), Console(quiet=True))
+    _, one, _ = prepare_job(_job(tiny_llama_dir, tmp_path / "one", batch_tokens=96), Console(quiet=True))
     assert [e["id"] for e in one.examples] == [e["id"] for e in ranked.examples]
     for got, want in zip(ranked, one):
         assert all(torch.equal(got[k], want[k]) for k in want)
@@ -176,12 +183,10 @@ def test_stream_target_caches_the_in_memory_states(tiny_llama_dir, tmp_path, one
     it refuses what needs the whole target at once."""
     from rich.console import Console
 
-    from toolkit.train_heads import prepare
-
     settings = dict(head="eagle3", aux_layers=(1, 2), self_distill=False, batch_tokens=128)
-    _, expected, _ = prepare(_job(tiny_llama_dir, tmp_path / "memory", **settings), Console(quiet=True))
-    examples, streamed, _ = prepare(_job(tiny_llama_dir, tmp_path / "streamed", stream_target=True, **settings),
-                                    Console(quiet=True))
+    _, expected, _ = prepare_job(_job(tiny_llama_dir, tmp_path / "memory", **settings), Console(quiet=True))
+    examples, streamed, _ = prepare_job(_job(tiny_llama_dir, tmp_path / "streamed", stream_target=True, **settings),
+                                        Console(quiet=True))
     assert (tmp_path / "streamed.work" / "hidden-1-2-final" / "index.json").exists()
     assert len(streamed) == len(expected) == len(examples) == 4 and streamed.layers == [1, 2, -1]
     for got, want in zip(streamed, expected):
@@ -195,9 +200,8 @@ def test_target_larger_than_memory_is_refused_naming_stream_target(tiny_llama_di
     from rich.console import Console
 
     from toolkit.engine import memory
-    from toolkit.train_heads import prepare
 
     monkeypatch.setattr(memory, "available_memory", lambda: 10_000)  # bytes: less than the tiny target's weights
     with pytest.raises(memory.MemoryLimitError, match="--stream-target --dataset-answers"):
-        prepare(_job(tiny_llama_dir, tmp_path / "heads"), Console(quiet=True))
+        prepare_job(_job(tiny_llama_dir, tmp_path / "heads"), Console(quiet=True))
     assert not (tmp_path / "heads.work" / "hidden").exists()

@@ -56,17 +56,18 @@ def checkpoint_gguf(directory: Path, output: Path, source_spec: str = "", overwr
 
 def float_gguf(spec: str, output: Path, outtype: str = "F16", overwrite: bool = False) -> Path:
     """The float GGUF file of model ``spec`` (alias, directory, .gguf), every 2-D weight in ``outtype``."""
-    from toolkit.models import load_model, load_tokenizer
+    from toolkit.models import resolve_model
 
     if outtype not in gguf.FLOAT_TYPES:
         raise FormatError(f"--outtype {outtype!r}: float GGUF exports are {' or '.join(gguf.FLOAT_TYPES)}")
-    model = load_model(spec)
+    source = resolve_model(spec)
+    model = source.load()
     check_family(model.config)
     tensors = gguf.FileTensors(model.config)
     tensors.add_floats(model.state_dict(), outtype)
     with tempfile.TemporaryDirectory() as directory:
-        load_tokenizer(spec).save_pretrained(directory)
-        metadata = gguf.tokenizer_metadata(Path(directory), _source_gguf(spec))
+        source.tokenizer().save_pretrained(directory)
+        metadata = gguf.tokenizer_metadata(Path(directory), source.gguf_file)
     header = _header(model.config, Path(spec).stem, {outtype})
     return gguf.write_gguf(output, tensors.family.gguf, {**header, **metadata}, tensors.listed(), overwrite)
 
@@ -134,15 +135,15 @@ class QuantizedGGUF:
     them (in its dtype); ``write(staging)`` writes the file into the checkpoint's directory once its tokenizer is
     there. Built before any weight is read, so a family or grid GGUF cannot hold is refused first."""
 
-    def __init__(self, output: Path, config: WeightQuantConfig, model_config, model_spec: str):
+    def __init__(self, output: Path, config: WeightQuantConfig, model_config, source_gguf: Path | None):
         check_family(model_config)
         self.path = file_name(Path(output), gguf.block_type(config))
         self.tensors = gguf.FileTensors(model_config)
-        self.model_spec = model_spec
+        self.source_gguf = source_gguf  # the model's own GGUF file, whose pre-tokenizer the file keeps
 
     def write(self, staging: Path) -> Path:
         """Write the file into ``staging``, the checkpoint directory being assembled (its tokenizer files saved)."""
-        metadata = gguf.tokenizer_metadata(staging, _source_gguf(self.model_spec))
+        metadata = gguf.tokenizer_metadata(staging, self.source_gguf)
         header = _header(self.tensors.config, self.path.parent.name, self.tensors.types())
         return gguf.write_gguf(staging / self.path.name, self.tensors.family.gguf, {**header, **metadata},
                                self.tensors.listed())

@@ -21,16 +21,18 @@ import struct
 from pathlib import Path
 
 from toolkit.formats.checkpoint import MANIFEST, sha256_file
+from toolkit.models import EMBEDDED, ModelSource, embedded_gguf
 
 HUB_TIMEOUT_S = 10  # one metadata request; a Hub that does not answer by then is treated as unreachable
 
 
-def target_identity(spec: str, api=None) -> dict:
-    """``{"name", "sha256", "hashed"}`` of a model spec, and ``"revision"`` for a Hub id: ``sha256`` changes whenever
-    the weights do (None when nothing pins them: a Hub id neither reachable nor cached, a missing path); ``hashed``
-    says what it covers. ``api``: the ``HfApi`` a Hub id is resolved with (default: one for the configured endpoint).
-    """
-    path = _local_file(spec)
+def target_identity(model: str | ModelSource, api=None) -> dict:
+    """``{"name", "sha256", "hashed"}`` of a model spec (or the ``ModelSource`` a verb resolved it to), and
+    ``"revision"`` for a Hub id: ``sha256`` changes whenever the weights do (None when nothing pins them: a Hub id
+    neither reachable nor cached, a missing path); ``hashed`` says what it covers. ``api``: the ``HfApi`` a Hub id is
+    resolved with (default: one for the configured endpoint). A spec is not resolved (no config is read): a recipe's
+    fingerprint names a model before any step needs it."""
+    spec, path = _local_file(model)
     if path is not None and path.suffix == ".gguf" and path.is_file():
         return _identity(spec, [_stat(path)], path.name)
     if path is not None and (path / MANIFEST).is_file():
@@ -44,10 +46,10 @@ def target_identity(spec: str, api=None) -> dict:
     return {"name": spec, "sha256": None, "hashed": None}
 
 
-def weights_sha256(spec: str) -> str | None:
+def weights_sha256(model: str | ModelSource) -> str | None:
     """The SHA-256 of every weight byte of a local model (the GGUF file; a compound checkpoint's manifest, whose
     hashes cover every file; a directory's safetensors files in name order), None for a Hub id. Reads every byte."""
-    path = _local_file(spec)
+    _, path = _local_file(model)
     if path is None or not path.exists():
         return None
     if path.suffix == ".gguf":
@@ -71,17 +73,17 @@ def hub_revision(repo_id: str, api=None) -> str | None:
         return Path(cached).parent.name if isinstance(cached, str) else None
 
 
-def _local_file(spec: str) -> Path | None:
-    """The file or directory a spec names (an alias: its embedded GGUF), None for a Hub id (``org/name`` that is
-    not a path)."""
-    from toolkit.models import EMBEDDED, embedded_gguf
-
-    if spec in EMBEDDED:
-        return embedded_gguf(spec)
-    path = Path(spec).expanduser()
-    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1 or path.suffix == ".gguf":
-        return path
-    return None
+def _local_file(model: str | ModelSource) -> tuple[str, Path | None]:
+    """(the spec, the file or directory it names: an alias's embedded GGUF; None for a Hub id, ``org/name`` that is
+    not a path). A ``ModelSource`` says both."""
+    if isinstance(model, ModelSource):
+        return model.spec, model.weights
+    if model in EMBEDDED:
+        return model, embedded_gguf(model)
+    path = Path(model).expanduser()
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1 or path.suffix == ".gguf":
+        return model, path
+    return model, None
 
 
 def _identity(spec: str, parts: list, hashed) -> dict:

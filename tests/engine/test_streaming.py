@@ -16,7 +16,7 @@ from toolkit.engine import memory
 from toolkit.engine.streaming import stream_model
 from toolkit.formats.checkpoint import read_tensors, verify_manifest
 from toolkit.methods import driver_for
-from toolkit.models import ModelError
+from toolkit.models import ModelError, resolve_model
 from toolkit.quant.configs import ConfigError, RTNConfig, make_config
 from toolkit.quantize import CalibrationSpec, QuantizeSettings, quantize
 from toolkit.runtime.load import load_quantized
@@ -81,7 +81,7 @@ def test_refusals(sharded_llama, tmp_path, monkeypatch):
         quantize(str(sharded_llama), RTNConfig(group_size=32), tmp_path / "kv",
                  settings=QuantizeSettings(kv_cache="int8", stream=True))
     with pytest.raises(ModelError, match="local safetensors model directory.*run without --stream"):
-        stream_model("smollm2-135m")
+        stream_model(resolve_model("smollm2-135m"))
     monkeypatch.setattr(memory, "available_memory", lambda: 2**20)
     with pytest.raises(memory.MemoryLimitError, match=r"needs about 0\.5 GiB \(streamed\) but 0\.0 GiB is available.*"
                        r"fewer --samples .*--offload-activations"):

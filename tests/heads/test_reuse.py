@@ -9,10 +9,9 @@ import torch
 from rich.console import Console
 
 from conftest import run_train_heads, text_of, tiny_config
-from test_train_heads import _job
+from test_train_heads import _job, prepare_job
 from toolkit.heads.reuse import LEDGER
 from toolkit.identity import target_identity
-from toolkit.train_heads import prepare
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -64,9 +63,9 @@ def test_work_of_another_target_is_rebuilt(tiny_llama_dir, other_llama_dir, tmp_
 ])
 def test_hidden_states_of_another_dtype_or_answers_are_rebuilt(tiny_llama_dir, tmp_path, change, why):
     base = dict(self_distill=False, batch_tokens=96)
-    prepare(_job(tiny_llama_dir, tmp_path / "heads", **base), Console(quiet=True))
+    prepare_job(_job(tiny_llama_dir, tmp_path / "heads", **base), Console(quiet=True))
     shown = io.StringIO()
-    _, data, _ = prepare(_job(tiny_llama_dir, tmp_path / "heads", **base | change), Console(file=shown))
+    _, data, _ = prepare_job(_job(tiny_llama_dir, tmp_path / "heads", **base | change), Console(file=shown))
     assert why in " ".join(shown.getvalue().split())
     assert data.index["target"]["dtype"] == change.get("dtype", "float32")
     assert data.index["target"]["answers"] == ("self-distilled" if change.get("self_distill") else "dataset")
@@ -75,10 +74,10 @@ def test_hidden_states_of_another_dtype_or_answers_are_rebuilt(tiny_llama_dir, t
 def test_a_piece_without_a_record_is_rebuilt(tiny_llama_dir, tmp_path):
     """Work from before the record (or copied in without it) is not trusted to be this target's."""
     job = _job(tiny_llama_dir, tmp_path / "heads", self_distill=False, batch_tokens=96)
-    prepare(job, Console(quiet=True))
+    prepare_job(job, Console(quiet=True))
     (job.work / LEDGER).unlink()
     shown = io.StringIO()
-    _, data, _ = prepare(job, Console(file=shown))
+    _, data, _ = prepare_job(job, Console(file=shown))
     sha = target_identity(str(tiny_llama_dir))["sha256"]
     said = " ".join(shown.getvalue().split())
     assert (f"{job.work}: rebuilding hidden, made for an unrecorded target (this run: {tiny_llama_dir} (sha256 "

@@ -8,7 +8,7 @@ from conftest import tiny_model
 from toolkit.heads import hidden_states as hs
 from toolkit.heads.data import Example
 from toolkit.heads.streamed_target import StreamedTarget
-from toolkit.models import ModelError, load_model
+from toolkit.models import ModelError, load_model, resolve_model
 
 LAYERS = 4
 
@@ -38,7 +38,7 @@ def _examples(n=6):
 @pytest.mark.parametrize("layers", [(-1,), (0, 2, 3, -1), (1, LAYERS)])
 def test_states_are_the_in_memory_models(sharded_llama, one_thread, dtype, layers):
     in_memory = load_model(str(sharded_llama), dtype)
-    streamed = StreamedTarget(str(sharded_llama), dtype)
+    streamed = StreamedTarget(resolve_model(str(sharded_llama)), dtype)
     ids = torch.randint(0, 49152, (3, 17))
     expected = hs.target_hidden_states(in_memory, ids, layers)
     got = hs.target_hidden_states(streamed, ids, layers)
@@ -46,7 +46,7 @@ def test_states_are_the_in_memory_models(sharded_llama, one_thread, dtype, layer
 
 
 def test_streamed_target_holds_no_layer_between_forwards(sharded_llama, one_thread):
-    streamed = StreamedTarget(str(sharded_llama))
+    streamed = StreamedTarget(resolve_model(str(sharded_llama)))
     hs.target_hidden_states(streamed, torch.randint(0, 49152, (1, 9)))
     layer_params = [p for name, p in streamed.model.named_parameters() if ".layers." in name]
     assert layer_params and all(p.is_meta for p in layer_params)
@@ -59,13 +59,14 @@ def test_cache_written_from_a_streamed_target_is_the_in_memory_cache(sharded_lla
     layers = (1, 3, -1)
     expected = hs.cache_hidden_states(load_model(str(sharded_llama), torch.bfloat16), examples, tmp_path / "memory",
                                       layers=layers, batch_tokens=64, progress=False)
-    got = hs.cache_hidden_states(StreamedTarget(str(sharded_llama)), examples, tmp_path / "streamed", layers=layers,
-                                 batch_tokens=64, progress=False)
+    got = hs.cache_hidden_states(StreamedTarget(resolve_model(str(sharded_llama))), examples, tmp_path / "streamed",
+                                 layers=layers, batch_tokens=64, progress=False)
     assert len(got) == len(expected) == len(examples)
     for a, b in zip(got, expected):
         assert all(torch.equal(a[key], b[key]) for key in ("hidden", "input_ids", "loss_mask"))
 
 
 def test_refuses_what_cannot_stream(tmp_path, tiny_llama_dir):
+    tiny_model("llama").config.save_pretrained(tmp_path / "config-only")  # a model that resolves, but no shards
     with pytest.raises(ModelError, match="safetensors model directory"):
-        StreamedTarget(str(tmp_path / "missing"))
+        StreamedTarget(resolve_model(str(tmp_path / "config-only")))

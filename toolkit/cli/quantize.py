@@ -84,8 +84,8 @@ def quantize(
                 bar.advance(tasks[spec], n)
 
             try:
-                quantized, base = compare_perplexity(str(result.output), model, calibration.dataset, eval_windows,
-                                                     calibration.seq_len, on_batch=advance)
+                quantized, base = compare_perplexity(str(result.output), result.model, calibration.dataset,
+                                                     eval_windows, calibration.seq_len, on_batch=advance)
             except (*user_errors(), ValueError) as err:
                 Console().print(fit(table))
                 fail(ValueError(f"--eval failed, the checkpoint did not: {result.output} is complete and valid. "
@@ -158,6 +158,7 @@ def decode(
     from toolkit.calibration import chat_prompt_ids
     from toolkit.decode import DecodeError, Decoder, SamplingConfig, check_context, generate
     from toolkit.engine.devices import resolve
+    from toolkit.models import resolve_model
     from toolkit.quant.kv_cache import int8_decode_scales
     from toolkit.runtime.load import load_model_or_checkpoint, read_manifest
 
@@ -168,7 +169,7 @@ def decode(
         max_new_tokens, temperature, kv_cache = settings.max_new_tokens, settings.temperature, settings.kv_cache_dtype
         sampling = SamplingConfig(temperature, seed=settings.seed) if temperature > 0 else None
         device = resolve(settings.device)
-        loaded, tokenizer = load_model_or_checkpoint(model, torch.float32)
+        loaded, tokenizer = load_model_or_checkpoint(resolve_model(model), torch.float32)
         loaded.to(device)
         ids = chat_prompt_ids(tokenizer, prompt)
         check_context(loaded.config, len(ids), max_new_tokens)

@@ -23,24 +23,24 @@ from torch import nn
 from toolkit.engine.heap import bound_heap, trim_heap
 from toolkit.engine.shards import ShardIndex, is_safetensors_dir
 from toolkit.experts import hub_name
-from toolkit.models import ModelError, arch_spec, decoder_layers, empty_model
+from toolkit.models import ModelError, ModelSource, arch_spec, decoder_layers
 
 DTYPE = torch.float32  # what load_model computes in; a streamed run must match it bit for bit
 
 
-def stream_model(spec: str, trust_remote_code: bool = False,
-                 dtype: torch.dtype = DTYPE) -> tuple[nn.Module, ShardIndex]:
+def stream_model(source: ModelSource, dtype: torch.dtype = DTYPE) -> tuple[nn.Module, ShardIndex]:
     """(the model of a local safetensors directory with only its pre-layer tensors and final norm in memory, in
     ``dtype``; its shard index).
 
-    Refuses a spec that is not such a directory, and a checkpoint whose tensor names do not match the model's
+    Refuses a model that is not such a directory, and a checkpoint whose tensor names do not match the model's
     (renamed or converted checkpoints need ``from_pretrained``'s conversions: the in-memory mode).
     """
+    spec = source.spec
     if not is_safetensors_dir(spec):
         raise ModelError(f"--stream reads layers from a local safetensors model directory; {spec!r} is not one "
                          "(a GGUF file or Hub id loads whole: run without --stream)")
     bound_heap()
-    model = empty_model(spec, dtype, trust_remote_code)
+    model = source.empty(dtype)
     shards = ShardIndex(spec)
     missing = [name for name in expected_tensors(model) if name not in shards]
     if missing:

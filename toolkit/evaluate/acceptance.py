@@ -25,6 +25,7 @@ from toolkit.heads.eagle_draft import TreeShape
 from toolkit.heads.kinds import KINDS, HeadKind
 from toolkit.heads.kinds.medusa import MEDUSA
 from toolkit.heads.load import load_head
+from toolkit.models import ModelSource, resolve_model
 
 CATEGORIES = ("all", *SLICES)
 
@@ -181,15 +182,16 @@ def recommended(reports: Sequence[AcceptanceReport]) -> AcceptanceReport:
     return max((r for r in reports if r.lossless), key=lambda r: r.speculative_tokens_per_s, default=reports[0])
 
 
-def validate_heads(target_spec: str, heads_dir, prompts: int = 8, max_new_tokens: int = 64, skip: int = 4,
-                   dtype: torch.dtype = torch.float32, categories: Sequence[str] = ("all",),
+def validate_heads(target_model: str | ModelSource, heads_dir, prompts: int = 8, max_new_tokens: int = 64,
+                   skip: int = 4, dtype: torch.dtype = torch.float32, categories: Sequence[str] = ("all",),
                    tree: TreeShape | None = None, chain: int | None = None,
                    explore: bool = True) -> list[AcceptanceReport]:
-    """Heads from ``heads_dir`` (of any kind: ``toolkit.heads.load.load_head``) drafting for ``target_spec`` (run in
-    ``dtype``) on held-out prompts, in the shapes their kind validates (``HeadKind.validation_shapes``). Medusa: its
-    static tree and the top-1 chain that vLLM serves. EAGLE: ``tree`` (an EAGLE-2 dynamic tree as SGLang drafts) and
-    vLLM's chain of ``chain`` tokens (defaults: ``toolkit.heads.kinds.eagle.trained_shape``), and on the first
-    category (with ``explore``) neighbouring shapes to recommend the fastest (``recommended``).
+    """Heads from ``heads_dir`` (of any kind: ``toolkit.heads.load.load_head``) drafting for ``target_model`` (a
+    spec, resolved once here, or its ``ModelSource``; run in ``dtype``) on held-out prompts, in the shapes their kind
+    validates (``HeadKind.validation_shapes``). Medusa: its static tree and the top-1 chain that vLLM serves. EAGLE:
+    ``tree`` (an EAGLE-2 dynamic tree as SGLang drafts) and vLLM's chain of ``chain`` tokens (defaults:
+    ``toolkit.heads.kinds.eagle.trained_shape``), and on the first category (with ``explore``) neighbouring shapes to
+    recommend the fastest (``recommended``).
     categories: prompt subsets (``CATEGORIES``), each reported separately (mode suffixed with the category); a slice
     the held-out split has no prompt of is left out.
 
@@ -199,10 +201,11 @@ def validate_heads(target_spec: str, heads_dir, prompts: int = 8, max_new_tokens
     """
     from toolkit.runtime.load import load_model_or_checkpoint
 
-    target, tokenizer = load_model_or_checkpoint(target_spec, dtype)
+    source = resolve_model(target_model)
+    target, tokenizer = load_model_or_checkpoint(source, dtype)
     loaded = load_head(heads_dir)
     kind = loaded.kind
-    head = kind.fit(loaded.module, target, target_spec)
+    head = kind.fit(loaded.module, target, source.spec)
     reports = []
     for n, category in enumerate(categories):
         chosen = heldout_prompts(tokenizer, prompts, skip=skip, category=category, partial=category != "all")

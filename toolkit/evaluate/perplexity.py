@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from toolkit.models import ModelSource, resolve_model
+
 EVAL_WINDOWS = 32  # held-out windows of a default evaluation (per verb; compound eval spreads them over its slices)
 Z95 = 1.96  # a normal 95 % interval
 
@@ -78,17 +80,19 @@ def perplexity(
     return Perplexity(math.exp(mean), mean, total_tokens, tuple(window_nll))
 
 
-def compare_perplexity(model_spec: str, base_spec: str, dataset: str, windows: int, seq_len: int,
+def compare_perplexity(model: str | ModelSource, base: str | ModelSource, dataset: str, windows: int, seq_len: int,
                        on_batch: Callable[[str, int], None] | None = None) -> tuple[Perplexity, Perplexity]:
     """(model's, base's) perplexity on the same ``windows`` × ``seq_len`` held-out tokens of ``dataset``, each model
-    loaded in float32 in turn (never both at once); ``on_batch(spec, windows_done)`` reports progress."""
+    (a spec, resolved here, or its ``ModelSource``) loaded in float32 in turn (never both at once);
+    ``on_batch(spec, windows_done)`` reports progress."""
     from toolkit.calibration import eval_windows
     from toolkit.runtime.load import load_model_or_checkpoint
 
     scores = []
-    for spec in (model_spec, base_spec):
-        model, tokenizer = load_model_or_checkpoint(spec, torch.float32)
+    for source in map(resolve_model, (model, base)):
+        loaded, tokenizer = load_model_or_checkpoint(source, torch.float32)
         tokens = eval_windows(tokenizer, dataset, windows, seq_len)
-        scores.append(perplexity(model, tokens, on_batch=(lambda n, s=spec: on_batch(s, n)) if on_batch else None))
-        del model
+        scores.append(perplexity(loaded, tokens, on_batch=(lambda n, s=source.spec: on_batch(s, n)) if on_batch
+                                 else None))
+        del loaded
     return scores[0], scores[1]

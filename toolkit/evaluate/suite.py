@@ -27,19 +27,21 @@ from toolkit.evaluate.perplexity import Perplexity, perplexity, perplexity_inter
 from toolkit.evaluate.report import SCHEMA, write_report
 from toolkit.evaluate.slices import SLICES, slice_windows
 from toolkit.formats.checkpoint import atomic_directory
-from toolkit.models import ModelError, check_seq_len
+from toolkit.models import ModelError, ModelSource, resolve_model
 from toolkit.runtime.load import read_manifest
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 Phase = Callable[[str, int], Callable[[int], None]]  # (phase, total steps) → what counts the steps done
 
 
-def evaluate(model: str, output: Path | str | None = None, *, base: str | None = None, heads: Path | str | None = None,
+def evaluate(model: str | ModelSource, output: Path | str | None = None, *, base: str | ModelSource | None = None,
+             heads: Path | str | None = None,
              dataset: str = HeldOut.dataset, options: EvalOptions = EvalOptions(),
              heads_options: EvalHeadsOptions = EvalHeadsOptions(), overwrite: bool = False,
              say: Callable[[str], None] = lambda _: None, progress: Phase | None = None) -> dict:
-    """Evaluate ``model`` (a compound checkpoint or any model spec) and return the report (schema
-    ``compound.eval/1``); with ``output``, also write ``eval.json``, ``eval.md`` and the plots there (atomically).
+    """Evaluate ``model`` (a compound checkpoint or any model spec, resolved once here, or its ``ModelSource``), against
+    ``base`` when given (likewise), and return the report (schema ``compound.eval/1``); with ``output``, also write
+    ``eval.json``, ``eval.md`` and the plots there (atomically).
 
     options: windows × seq_len held-out tokens per slice of ``dataset``'s eval split, the KL threshold, whether the
     generation checks run and how many tokens each decodes. heads_options: held-out prompts per slice and tokens
@@ -52,16 +54,18 @@ def evaluate(model: str, output: Path | str | None = None, *, base: str | None =
         raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
     windows, seq_len, new_tokens = options.windows, options.seq_len, options.generation_tokens
     generation_sets = SETS if options.generation else ()
-    for spec in filter(None, (model, base)):  # windows longer than either model's context, before any weight loads
-        check_seq_len(spec, seq_len)
+    model, base = (resolve_model(spec) if spec else None for spec in (model, base))
+    for source in filter(None, (model, base)):  # windows longer than either model's context, before any weight loads
+        source.check_seq_len(seq_len)
     started = time.perf_counter()
-    say(f"loading {model}" + (f" and {base}" if base else ""))
+    model_name, base_name = model.spec, base and base.spec
+    say(f"loading {model_name}" + (f" and {base_name}" if base else ""))
     target, tokenizer = load_model_or_checkpoint(model, torch.float32)  # 1
     reference = None
     if base:
         reference, base_tokenizer = load_model_or_checkpoint(base, torch.float32)
         if base_tokenizer.get_vocab() != tokenizer.get_vocab():
-            raise ModelError(f"{model} and {base} have different tokenizers: their next-token distributions "
+            raise ModelError(f"{model_name} and {base_name} have different tokenizers: their next-token distributions "
                              "cannot be compared")
     say(f"packing the eval split of {dataset} into up to {windows}×{seq_len} tokens per slice")
     per_slice = slice_windows(tokenizer, dataset, windows, seq_len)  # 2
@@ -81,17 +85,17 @@ def evaluate(model: str, output: Path | str | None = None, *, base: str | None =
     gc.collect()
     acceptance = None
     if heads:
-        say(f"measuring {heads} drafting for {model} per slice")
+        say(f"measuring {heads} drafting for {model_name} per slice")
         acceptance = _acceptance(model, heads, heads_options.head_prompts, heads_options.head_tokens)  # 5
     report = {
-        "schema": SCHEMA, "model": str(model), "base": base, "heads": str(heads) if heads else None,
+        "schema": SCHEMA, "model": model_name, "base": base_name, "heads": str(heads) if heads else None,
         "dataset": dataset, "seq_len": seq_len, "windows_per_slice": windows, "kl_threshold": options.kl_threshold,
         "slices": slices, "overall": _row(total, sum(r["windows"] for r in slices.values()), base is not None),
         "worst_slice": max((n for n in slices if slices[n]["tokens"]), key=lambda n: slices[n]["perplexity_ratio"])
         if base else None,
         "kl_histogram": {"lower_edges": list(KL_EDGES[:-1]), "counts": list(total.kl_counts)}
         if base else None,
-        "generation": generation, "acceptance": acceptance, "layer_errors": layer_errors(model),
+        "generation": generation, "acceptance": acceptance, "layer_errors": layer_errors(model_name),
         "seconds": time.perf_counter() - started,
     }
     if output is not None:  # 6
@@ -153,7 +157,7 @@ def _listed(interval: tuple[float, float] | None) -> list[float] | None:
     return list(interval) if interval else None
 
 
-def _acceptance(model: str, heads: Path | str, prompts: int, new_tokens: int) -> dict:
+def _acceptance(model: ModelSource, heads: Path | str, prompts: int, new_tokens: int) -> dict:
     from toolkit.evaluate.acceptance import validate_heads
 
     reports = {r.mode: r for r in validate_heads(model, heads, prompts, new_tokens, categories=("all", *SLICES),

@@ -18,20 +18,21 @@ from torch import nn
 
 from toolkit.engine.session import capture_layer_inputs
 from toolkit.engine.streaming import read_layer, release_layer, stream_model
-from toolkit.models import ModelError, arch_spec, decoder_layers
+from toolkit.models import ModelError, ModelSource, arch_spec, decoder_layers
 
 
 class StreamedTarget:
     """The float causal LM of a local safetensors directory, with only its embeddings and final norm in memory."""
 
-    def __init__(self, spec: str, dtype: torch.dtype = torch.bfloat16, trust_remote_code: bool = False):
-        self.model, self.shards = stream_model(spec, trust_remote_code, dtype)
+    def __init__(self, source: ModelSource, dtype: torch.dtype = torch.bfloat16):
+        self.model, self.shards = stream_model(source, dtype)
         self.dtype = dtype
         backbone = self.model.get_submodule(arch_spec(self.model).layers.rpartition(".")[0])
         self.norm = getattr(backbone, "norm", None)
         if not isinstance(self.norm, nn.Module):
-            raise ModelError(f"{spec}: no final norm at {arch_spec(self.model).layers.rpartition('.')[0]}.norm, so "
-                             "its last hidden state cannot be computed layer by layer; run without --stream-target")
+            raise ModelError(f"{source.spec}: no final norm at {arch_spec(self.model).layers.rpartition('.')[0]}"
+                             ".norm, so its last hidden state cannot be computed layer by layer; run without "
+                             "--stream-target")
 
     @property
     def config(self):

@@ -16,7 +16,7 @@ from torch import nn
 from toolkit.formats import PACKED_SUFFIXES, FormatError, Scheme, read_quantization_config
 from toolkit.experts import model_name, moe_layout, unfuse_experts
 from toolkit.formats.checkpoint import MANIFEST
-from toolkit.models import check_local_model
+from toolkit.models import ModelSource, resolve_model
 from toolkit.quant.kv_cache import SCALE_NAMES as KV_SCALE_NAMES
 from toolkit.runtime.quant_linear import QuantLinear, backend_problem
 
@@ -25,9 +25,10 @@ class CheckpointError(ValueError):
     """A directory that is not a loadable quantized checkpoint."""
 
 
-def load_quantized(directory: Path | str, dtype: torch.dtype = torch.float32,
+def load_quantized(checkpoint: Path | str | ModelSource, dtype: torch.dtype = torch.float32,
                    backend: str = "auto") -> tuple[nn.Module, object]:
-    """(model, tokenizer) from a GPTQ, AWQ or compressed-tensors checkpoint; float tensors are cast to ``dtype``.
+    """(model, tokenizer) from a GPTQ, AWQ or compressed-tensors checkpoint (a directory, or its ``ModelSource``);
+    float tensors are cast to ``dtype``.
 
     backend: how the ``QuantLinear`` modules multiply, ``auto`` | ``reference`` | ``cpu-int4`` | ``triton``
     (``toolkit.runtime.quant_linear``); an explicit backend that cannot run this checkpoint is refused here.
@@ -36,13 +37,13 @@ def load_quantized(directory: Path | str, dtype: torch.dtype = torch.float32,
     ``QuantLinear`` per expert projection (``toolkit.experts``), read from the Hub's per-expert tensor names.
     """
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    directory = Path(directory)
-    if not (directory / "config.json").is_file():
-        raise CheckpointError(f"{directory} has no config.json: not a model directory")
-    check_local_model(directory)  # config.json and every safetensors header, each named when it is broken
-    config = AutoConfig.from_pretrained(directory)
+    if not isinstance(checkpoint, ModelSource):
+        if not (Path(checkpoint) / "config.json").is_file():
+            raise CheckpointError(f"{checkpoint} has no config.json: not a model directory")
+        checkpoint = resolve_model(str(checkpoint))  # config.json and every safetensors header, named when broken
+    directory, config = Path(checkpoint.location), checkpoint.fresh_config()
     quant = getattr(config, "quantization_config", None)
     if quant is None:
         raise CheckpointError(f"{directory} holds no quantization_config; load it as a float model instead")
@@ -74,18 +75,15 @@ def load_quantized(directory: Path | str, dtype: torch.dtype = torch.float32,
         missing = [m for m in missing if m != "lm_head.weight"]
     if missing or unexpected:
         raise CheckpointError(f"{directory}: missing tensors {missing[:5]}, unexpected tensors {unexpected[:5]}")
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    return model.eval(), tokenizer
+    return model.eval(), checkpoint.tokenizer()
 
 
-def load_model_or_checkpoint(spec: str, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer): a compound checkpoint through ``load_quantized``, anything else as a float model."""
-    from toolkit.models import load_model, load_tokenizer
-
-    config = Path(spec) / "config.json"
-    if config.is_file() and b"quantization_config" in config.read_bytes():
-        return load_quantized(spec, dtype)
-    return load_model(spec, dtype), load_tokenizer(spec)
+def load_model_or_checkpoint(source: ModelSource, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) of a resolved model: a compound checkpoint through ``load_quantized``, anything else as a
+    float model."""
+    if source.quantized:
+        return load_quantized(source, dtype)
+    return source.load(dtype), source.tokenizer()
 
 
 def read_manifest(directory: Path | str) -> dict:
