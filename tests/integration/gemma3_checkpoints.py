@@ -7,11 +7,10 @@ Two RTN W4 g32 quantizations side by side, each with its GGUF file (``--gguf``):
 Q4_0), asymmetric in the AWQ layout (and Q4_1). RTN needs no calibration, so both take about a minute of CPU.
 """
 
-import json
-import subprocess
 from pathlib import Path
 
 import pytest
+from integration.side_by_side import held_out_windows, run_side_by_side
 
 QUANTIZE = ["compound", "quantize", "--model", "gemma3-270m", "--method", "rtn", "--bits", "4", "--group-size", "32",
             "--gguf", "--threads", "1"]
@@ -24,11 +23,7 @@ WINDOWS, SEQ_LEN = 2, 128  # held-out windows every loader scores (262k-entry lo
 def gemma3_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """{name in BUILDS: checkpoint directory}; its GGUF file is ``gemma3_gguf(directory, name)``."""
     root = tmp_path_factory.mktemp("gemma3-checkpoints")
-    procs = {name: subprocess.Popen([*cmd, "--output", str(root / name)], stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True) for name, cmd in BUILDS.items()}
-    for name, proc in procs.items():
-        output, _ = proc.communicate(timeout=1200)
-        assert proc.returncode == 0, f"{name}: {output[-6000:]}"
+    run_side_by_side({name: [*cmd, "--output", str(root / name)] for name, cmd in BUILDS.items()})
     return {name: root / name for name in BUILDS}
 
 
@@ -40,12 +35,4 @@ def gemma3_gguf(checkpoints: dict[str, Path], name: str) -> Path:
 @pytest.fixture(scope="session")
 def gemma3_windows(gemma3_checkpoints, tmp_path_factory):
     """(held-out token windows [WINDOWS, SEQ_LEN], the same windows as a JSON file for the loaders' scripts)."""
-    from transformers import AutoTokenizer
-
-    from toolkit.calibration import eval_windows
-
-    tokenizer = AutoTokenizer.from_pretrained(gemma3_checkpoints["awq"])
-    tokens = eval_windows(tokenizer, "sharegpt", windows=WINDOWS, seq_len=SEQ_LEN)
-    path = tmp_path_factory.mktemp("gemma3-tokens") / "windows.json"
-    path.write_text(json.dumps(tokens.tolist()))
-    return tokens, path
+    return held_out_windows(gemma3_checkpoints["awq"], WINDOWS, SEQ_LEN, tmp_path_factory.mktemp("gemma3-tokens"))

@@ -7,11 +7,10 @@ side by side, and ``compound convert`` of each to compressed-tensors (conversion
 tests/test_convert.py): four layouts from two quantizations.
 """
 
-import json
-import subprocess
 from pathlib import Path
 
 import pytest
+from integration.side_by_side import held_out_windows, run_side_by_side
 
 QUANTIZE = ["compound", "quantize", "--model", "smollm2-135m", "--method", "rtn", "--bits", "4", "--group-size", "64"]
 BUILDS = {  # name: the command that makes it ("{name}" stands for another checkpoint's directory)
@@ -23,22 +22,13 @@ BUILDS = {  # name: the command that makes it ("{name}" stands for another check
 WINDOWS, SEQ_LEN = 4, 128  # held-out windows every loader scores
 
 
-def _run_all(commands: dict[str, list[str]]) -> None:
-    """Run the commands side by side (each is mostly single-threaded Python), failing on the first error."""
-    procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for name, cmd in commands.items()}
-    for name, proc in procs.items():
-        output, _ = proc.communicate(timeout=1200)
-        assert proc.returncode == 0, f"{name}: {output[-6000:]}"
-
-
 @pytest.fixture(scope="session")
 def smollm2_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """{name in BUILDS: checkpoint directory}."""
     root = tmp_path_factory.mktemp("smollm2-checkpoints")
     paths = {name: root / name for name in BUILDS}
     for stage in (("gptq", "awq"), ("compressed-tensors-sym", "compressed-tensors-asym")):
-        _run_all({name: [arg.format(**paths) for arg in BUILDS[name]] + ["--output", str(paths[name])]
+        run_side_by_side({name: [arg.format(**paths) for arg in BUILDS[name]] + ["--output", str(paths[name])]
                   for name in stage})
     return paths
 
@@ -46,12 +36,4 @@ def smollm2_checkpoints(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def smollm2_windows(smollm2_checkpoints, tmp_path_factory):
     """(held-out token windows [WINDOWS, SEQ_LEN], the same windows as a JSON file for the loaders' scripts)."""
-    from transformers import AutoTokenizer
-
-    from toolkit.calibration import eval_windows
-
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_checkpoints["gptq"])
-    tokens = eval_windows(tokenizer, "sharegpt", windows=WINDOWS, seq_len=SEQ_LEN)
-    path = tmp_path_factory.mktemp("tokens") / "windows.json"
-    path.write_text(json.dumps(tokens.tolist()))
-    return tokens, path
+    return held_out_windows(smollm2_checkpoints["gptq"], WINDOWS, SEQ_LEN, tmp_path_factory.mktemp("tokens"))

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from integration.side_by_side import held_out_windows, run_side_by_side
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("llamacpp")]
 
@@ -48,25 +49,13 @@ if not LLAMACPP_PYTHON.exists():
 def gguf_files(tmp_path_factory) -> dict[str, Path]:
     """{block type: (checkpoint directory, its GGUF file)}, the two quantizations run side by side."""
     root = tmp_path_factory.mktemp("gguf")
-    procs = {name: subprocess.Popen([*cmd, "--output", str(root / name)], stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True) for name, cmd in BUILDS.items()}
-    for name, proc in procs.items():
-        output, _ = proc.communicate(timeout=1200)
-        assert proc.returncode == 0, f"{name}: {output[-6000:]}"
+    run_side_by_side({name: [*cmd, "--output", str(root / name)] for name, cmd in BUILDS.items()})
     return {name: (root / name, root / name / f"{name}-{name}.gguf") for name in BUILDS}
 
 
 @pytest.fixture(scope="module")
 def windows(gguf_files, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from toolkit.calibration import eval_windows
-
-    tokenizer = AutoTokenizer.from_pretrained(gguf_files["Q4_0"][0])
-    tokens = eval_windows(tokenizer, "sharegpt", windows=WINDOWS, seq_len=SEQ_LEN)
-    path = tmp_path_factory.mktemp("tokens") / "windows.json"
-    path.write_text(json.dumps(tokens.tolist()))
-    return tokens, path
+    return held_out_windows(gguf_files["Q4_0"][0], WINDOWS, SEQ_LEN, tmp_path_factory.mktemp("tokens"))
 
 
 def judge(verb: str, gguf_file: Path, data_file: Path, *extra: str) -> dict:
