@@ -39,6 +39,7 @@ import pytest
 import torch
 
 from conftest import byte_tokenizer, skip_where_vllm_has_no_w4_kernel, tiny_config
+from peer_jobs import PEER_PYTHON, run_peer_jobs
 from test_family_matrix import spread
 from toolkit.quant.configs import make_config
 from toolkit.quantize import CalibrationSpec, QuantizeSettings, quantize
@@ -46,7 +47,6 @@ from toolkit.quantize import CalibrationSpec, QuantizeSettings, quantize
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 ROOT = Path(__file__).resolve().parents[2]
-PEER_PYTHON = ROOT / ".venvs" / "gptqmodel" / "bin" / "python"
 VLLM_PYTHON = ROOT / ".venvs" / "vllm" / "bin" / "python"
 HERE = Path(__file__).parent
 FAMILIES = ("qwen3_moe", "mixtral")
@@ -109,23 +109,26 @@ def compound_logits(checkpoints):
     return logits
 
 
+@pytest.fixture(scope="module")
+def peer_runs(checkpoints, tmp_path_factory):
+    """(model_type, loader, layout) → (its JSON report, what it printed, its logits or None)."""
+    if not PEER_PYTHON.exists():
+        pytest.skip(f"no GPTQModel venv at {PEER_PYTHON}: run scripts/setup_gptqmodel.sh")
+    return run_peer_jobs({(m, loader, layout): (loader, checkpoints[m, layout])
+                          for m in FAMILIES for loader in ("gptqmodel", "transformers") for layout in LAYOUTS},
+                         checkpoints["windows"], tmp_path_factory.mktemp("moe-peer-logits"))
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("loader", ["gptqmodel", "transformers"])
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_peer_loads_compounds_moe_checkpoint_with_its_logits(model_type, loader, layout, checkpoints,
-                                                              compound_logits, tmp_path):
-    if not PEER_PYTHON.exists():
-        pytest.skip(f"no GPTQModel venv at {PEER_PYTHON}: run scripts/setup_gptqmodel.sh")
-    out = tmp_path / "logits.pt"
-    run = subprocess.run([str(PEER_PYTHON), "-P", str(HERE / "peer_logits.py"), "--loader", loader, "--model",
-                          str(checkpoints[model_type, layout]), "--tokens", str(checkpoints["windows"]),
-                          "--out", str(out), "--threads", "1"], capture_output=True, text=True, timeout=900, cwd=ROOT)
+def test_peer_loads_compounds_moe_checkpoint_with_its_logits(model_type, loader, layout, peer_runs,
+                                                              compound_logits):
+    report, printed, theirs = peer_runs[model_type, loader, layout]
     limit = PEER_LIMITS.get((model_type, loader, layout))
-    if limit is not None and limit in run.stderr + run.stdout:  # the known failure, not another one
+    if limit is not None and limit in printed + report.get("error", ""):  # the known failure, not another one
         pytest.xfail(f"{loader} cannot load compound's (Hub-named) {model_type} {layout} checkpoint: {limit}")
-    theirs = torch.load(out, weights_only=True)
-    assert run.returncode == 0, run.stderr[-6000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert "error" not in report, f"{report['error']}\n{printed[-6000:]}"
     ours = compound_logits[model_type, layout]
     other = compound_logits[model_type, "awq" if layout == "gptq" else "gptq"]
     scale = ours.abs().mean().item()

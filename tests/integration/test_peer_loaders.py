@@ -14,20 +14,14 @@ logits of the *other* checkpoint (another W4 quantization of the same model) dif
 on 63 % of top-1 tokens, so the bounds below are 15× tighter than what a wrong checkpoint produces.
 """
 
-import json
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
+from peer_jobs import PEER_PYTHON, run_peer_jobs
 
 # one xdist worker for every module that uses the shared smollm2_checkpoints, so they are built once
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2_checkpoints")]
 
-ROOT = Path(__file__).resolve().parents[2]
-PEER_PYTHON = ROOT / ".venvs" / "gptqmodel" / "bin" / "python"
-PEER_LOGITS = Path(__file__).with_name("peer_logits.py")
 MEAN_LOGIT_TOLERANCE = 0.15  # mean |Δ logit| between a peer and compound, same checkpoint
 NLL_TOLERANCE = 0.01  # nats, |Δ mean NLL|
 TOP1_AGREEMENT = 0.97
@@ -60,23 +54,14 @@ def _mean_nll(logits: torch.Tensor, windows: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def peer_runs(smollm2_checkpoints, smollm2_windows, tmp_path_factory):
-    """{(loader, layout): (its JSON report, its logits)}: the four loader runs side by side, one thread each (most of
-    each run is importing GPTQModel and transformers)."""
-    root = tmp_path_factory.mktemp("peer-logits")
-    procs = {
-        (loader, layout): subprocess.Popen(
-            [str(PEER_PYTHON), str(PEER_LOGITS), "--loader", loader, "--model", str(smollm2_checkpoints[layout]),
-             "--tokens", str(smollm2_windows[1]), "--out", str(root / f"{loader}-{layout}.pt"), "--threads", "1"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-        for loader in PEERS for layout in ("gptq", "awq")
-    }
-    runs = {}
-    for (loader, layout), proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=900)
-        assert proc.returncode == 0, f"{loader} {layout}: {stderr[-6000:]}"
-        logits = torch.load(root / f"{loader}-{layout}.pt", weights_only=True)
-        runs[loader, layout] = (json.loads(stdout.strip().splitlines()[-1]), logits)
-    return runs
+    """{(loader, layout): (its JSON report, its logits)}: each loader's two loads in one process of its own, the two
+    processes side by side, one thread each (most of a run is importing GPTQModel and transformers)."""
+    runs = run_peer_jobs({(loader, layout): (loader, smollm2_checkpoints[layout])
+                          for loader in PEERS for layout in ("gptq", "awq")},
+                         smollm2_windows[1], tmp_path_factory.mktemp("peer-logits"))
+    for key, (report, printed, _) in runs.items():
+        assert "error" not in report, f"{key}: {report['error']}\n{printed[-6000:]}"
+    return {key: (report, logits) for key, (report, _, logits) in runs.items()}
 
 
 @pytest.mark.parametrize("layout", ["gptq", "awq"])

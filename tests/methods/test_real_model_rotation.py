@@ -1,36 +1,24 @@
-"""``--rotate hadamard`` on the real models: the rotated float model computes the original's logits, and the claim
-rotation exists for, that GPTQ quantizes the rotated weights closer to the float model than the original ones.
+"""``--rotate hadamard`` on the real models: the rotated float model computes the original's logits (the claim that
+rotation + GPTQ quantizes closer to the float model than GPTQ alone is tested beside the other methods' claims, in
+``test_real_model_ordering.py``).
 
 Parity runs in float64, RMSNorm included (transformers computes it in float32 whatever the model's dtype; the test
 swaps in the same formula in the input's dtype), so the bound of 1e-4 on every logit tests the algebra alone
 (measured: SmolLM2 max |Δ logit| 3.8e-13 on logits up to 34; Gemma-3 270M 2.9e-12 on logits up to 141). In float32
 the same comparison measures float32 rounding, not the rotation (SmolLM2 7.3e-5; Gemma-3 3.5e-4 on logits up to 74,
 262k-word vocabulary); with transformers' float32 norms in a float64 model, SmolLM2 8.3e-5.
-
-Measured when written (1 thread): GPTQ KL 0.187, top-1 74.9 %, perplexity 27.98; rotation + GPTQ KL 0.149, top-1
-78.1 %, perplexity 26.51 (float 23.79).
-
-GPTQ as in ``test_real_model_ordering.py`` (W4 g64 asymmetric, act-order with static groups, 16×256 ShareGPT
-calibration tokens, 8×256 held-out windows), once on the loaded weights and once on the rotated ones, each scored
-against the float model by KL divergence (the fidelity measure) and held-out perplexity.
 """
 
 import pytest
 import torch
 
-from toolkit.calibration import calibration_batch, eval_windows
-from toolkit.engine.loop import quantize_layers
-from toolkit.evaluate.divergence import divergence
-from toolkit.methods import driver_for
-from toolkit.models import EMBEDDED, arch_spec, load_model, load_tokenizer
-from toolkit.quant.configs import GPTQConfig
+from toolkit.models import EMBEDDED, arch_spec, load_model
 from toolkit.rotate import rotate_model
 
 pytestmark = pytest.mark.slow
 
 MODELS = ("smollm2-135m", "gemma3-270m")
 PARITY = 1e-4  # max |Δ logit|, float64
-GPTQ = GPTQConfig(bits=4, group_size=64, sym=False, act_order=True)
 
 
 def available(spec: str) -> str:
@@ -64,29 +52,3 @@ def test_rotated_real_model_computes_the_same_logits(spec):
     assert gap <= PARITY
     # the residual stream is rotated where the family allows it (not Gemma 3: norms on the branch outputs)
     assert (report.residual is not None) == (not torch.equal(embedding, model.get_input_embeddings().weight))
-
-
-@pytest.fixture(scope="module")
-def gptq_scores():
-    spec = MODELS[0]
-    tokenizer = load_tokenizer(spec)
-    tokens = calibration_batch(tokenizer, "sharegpt", samples=16, seq_len=256, seed=0)
-    windows = eval_windows(tokenizer, "sharegpt", windows=8, seq_len=256)
-    base = load_model(spec)
-    scores = {}
-    for rotate in (False, True):
-        model = load_model(spec)
-        if rotate:
-            rotate_model(model, GPTQ.seed)
-        quantize_layers(model, GPTQ, driver_for(GPTQ), tokens, sink=lambda *a: None)
-        scores["rotated" if rotate else "plain"] = divergence(model, base, windows)
-    print("\nGPTQ W4 g64 asym act-order on SmolLM2, against float (perplexity "
-          f"{scores['plain'].base_perplexity:.2f}):",
-          {name: f"KL {d.kl:.4f}, top-1 {d.top1_agreement:.3f}, perplexity {d.perplexity:.2f}"
-           for name, d in scores.items()})
-    return scores
-
-
-def test_rotation_plus_gptq_beats_gptq(gptq_scores):
-    plain, rotated = gptq_scores["plain"], gptq_scores["rotated"]
-    assert rotated.kl < plain.kl and rotated.perplexity < plain.perplexity, gptq_scores
