@@ -11,7 +11,7 @@ that drifts toward it), on ShareGPT's eval split and on text unlike it (the code
 ``toolkit.evaluate.slices``), then perplexity. A run that fails keeps its row, with the tool's own last message.
 
     python benchmarks/frontier.py [--models smollm2-135m,gemma3-270m] [--precisions w4g64,w3g64,w4g128]
-        [--methods rtn,gptq,awq,awq+gptq,signround] [--rotations none,hadamard]
+        [--methods rtn,gptq,awq,awq+gptq,signround] [--rotations none,hadamard] [--rotated-methods rtn,...]
         [--peers autoround,autoround-iters0,gptqmodel,llmcompressor,llmcompressor-hadamard,
                  llmcompressor-random-hadamard]
         [--calib-samples 128] [--seq-len 512] [--iters 200] [--grid asym] [--reuse] [--no-write]
@@ -119,7 +119,7 @@ def skipped(float_dir: Path, group_size: int) -> str | None:
 def frontier_runs(args) -> list[Run]:
     """compound's methods × rotations, then the peers' runs, as the options select them."""
     runs = [Run("compound", m, r, args.iters if m == "signround" else None) for m in args.methods
-            for r in args.rotations]
+            for r in args.rotations if r == "none" or m in args.rotated_methods]
     for peer in args.peers:
         if peer == "autoround":
             runs.append(Run("autoround", "signround", iters=args.iters))
@@ -331,6 +331,8 @@ def main() -> None:
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help="bits and group size: w4g64, w3g64, w4g128")
     parser.add_argument("--methods", default=",".join(METHODS), help="compound's methods (and the peers' GPTQ / AWQ)")
     parser.add_argument("--rotations", default="none,hadamard", help="compound's --rotate values")
+    parser.add_argument("--rotated-methods", default=",".join(METHODS), help="the methods also run with each "
+                        "rotation other than none (default: every method)")
     parser.add_argument("--peers", default=",".join(PEERS))
     parser.add_argument("--grid", default="asym", choices=("asym", "sym"), help="the grid every tool gets")
     parser.add_argument("--calib-samples", type=int, default=128)
@@ -352,6 +354,7 @@ def main() -> None:
     args.precisions = parse_list(args.precisions, tuple(PRECISIONS), "--precisions")
     args.methods = parse_list(args.methods, METHODS, "--methods")
     args.rotations = parse_list(args.rotations, ROTATIONS, "--rotations")
+    args.rotated_methods = parse_list(args.rotated_methods, METHODS, "--rotated-methods")
     args.peers = parse_list(args.peers, PEERS, "--peers")
     args.default_samples = [int(n) for n in args.default_samples.split(",") if n]
     args.act_order = next(f.default for f in dataclasses.fields(GPTQConfig) if f.name == "act_order")
