@@ -90,14 +90,12 @@ def test_vllm_scores_the_rotated_checkpoint_like_compound(rotated, windows, refe
 
 
 def test_transformers_loads_the_rotated_checkpoint_with_compounds_nll(rotated, windows, reference, tmp_path):
-    from test_peer_loaders import NLL_TOLERANCE, PEER_LOGITS, PEER_PYTHON, TOP1_AGREEMENT, ROOT, _mean_nll
+    from peer_jobs import run_peer_jobs
+    from test_peer_loaders import NLL_TOLERANCE, TOP1_AGREEMENT, _mean_nll  # skips where GPTQModel's venv is missing
 
-    out = tmp_path / "logits.pt"
-    done = subprocess.run([str(PEER_PYTHON), str(PEER_LOGITS), "--loader", "transformers", "--model",
-                           str(rotated[0]), "--tokens", str(windows[1]), "--out", str(out), "--threads", "1"],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-6000:]
-    report, theirs = json.loads(done.stdout.strip().splitlines()[-1]), torch.load(out, weights_only=True)
+    key = ("transformers", "rotated")
+    report, printed, theirs = run_peer_jobs({key: ("transformers", rotated[0])}, windows[1], tmp_path)[key]
+    assert "error" not in report, f"{report['error']}\n{printed[-6000:]}"
     with torch.inference_mode():
         ours = torch.stack([reference(window[None]).logits[0] for window in windows[0]])
     gap = abs(_mean_nll(theirs, windows[0]) - _mean_nll(ours, windows[0]))
