@@ -263,9 +263,9 @@ def cli(*args, **env):
 
 
 # The cheap settings of tests/test_train_heads.py, as train-heads flags; a flag given again after them wins.
-CHEAP_HEADS = ["--num-heads", "2", "--samples", "4", "--max-len", "96", "--distill-tokens", "6", "--dtype", "float32",
-               "--steps", "2", "--batch-size", "2", "--micro-batch-size", "1", "--eval-every", "2", "--save-every",
-               "2", "--eval-prompts", "1", "--eval-tokens", "4"]
+CHEAP_HEADS = ["--num-heads", "2", "--samples", "4", "--max-len", "96", "--distill-tokens", "6", "--target-dtype",
+               "float32", "--steps", "2", "--batch-size", "2", "--micro-batch-size", "1", "--eval-every", "2",
+               "--save-every", "2", "--eval-prompts", "1", "--eval-tokens", "4"]
 
 
 def run_train_heads(model, output, *args):

@@ -102,9 +102,37 @@ def test_recipe_and_cli_share_each_default():
     assert evaluate.windows == EvalOptions().windows == 8
 
 
+# Names that several option classes declare with different defaults, and why they may: each is one meaning whose
+# default is its verb's (or method's) job. Any other name two classes share must share its default too.
+SHARED_NAMES_WITH_OWN_DEFAULTS = {
+    "sym": "each method's own grid (RTN and GPTQ symmetric, AWQ's methods asymmetric), declared once in its config",
+    "act_order": "each method's own column order, declared once in its config",
+    "format": "quantize resolves auto; convert has no default (the target layout is its input)",
+    "samples": "conversations drawn from a dataset: 128 to calibrate, 1000 to train heads",
+    "lr": "a learning rate: SignRound's signed step (None: 1/iters) and the heads' AdamW peak",
+    "windows": "held-out windows: validate's quick check (2 × 64 tokens) against eval's measurement (8 × 512)",
+    "seq_len": "held-out windows: validate's quick check (2 × 64 tokens) against eval's measurement (8 × 512)",
+}
+
+
+def _defaults_by_name() -> dict[str, dict[str, set[str]]]:
+    """Every option field name → its default (repr) → the classes that declare it with that default."""
+    found: dict[str, dict[str, set[str]]] = {}
+    for classes, _ in VERBS.values():
+        for cls in classes:
+            for f in option_fields(cls):
+                default = None if f.default is dataclasses.MISSING else f.default
+                found.setdefault(f.name, {}).setdefault(repr(default), set()).add(cls.__name__)
+    return found
+
+
 def test_one_name_per_setting_across_verbs():
-    """A setting several verbs take has one name and one default: the tokens a verb decodes per prompt."""
+    """A setting several verbs take has one name and one default (the tokens a verb decodes per prompt); a name with
+    several defaults is one of the listed few, each one meaning with its verb's default. The three dtypes are three
+    names: quantize --dtype (the checkpoint's), train-heads --target-dtype, validate --decode-dtype."""
     assert DecodeOptions().max_new_tokens == HeadsCheckOptions().max_new_tokens == EvalHeadsOptions().head_tokens
+    several = {name for name, defaults in _defaults_by_name().items() if len(defaults) > 1}
+    assert several == set(SHARED_NAMES_WITH_OWN_DEFAULTS), several ^ set(SHARED_NAMES_WITH_OWN_DEFAULTS)
     renamed = {"new_tokens", "repo_id", "heads_repo_id"}  # the recipe keys that spelled a verb's setting differently
     assert not renamed & set().union(*(_recipe_keys(s) for s in SECTIONS if s != "gates"))
 
@@ -115,7 +143,7 @@ def test_one_name_per_setting_across_verbs():
     (DecodeOptions, {"kv_cache_dtype": "fp8"}, "--kv-cache-dtype must be one of float, int8, int8-static, got 'fp8'"),
     (HeadsCheckOptions, {"categories": ("prose", "poetry")}, "--categories must be one of all, prose, code, "
                                                               "non-english, structured, got 'poetry'"),
-    (HeadsCheckOptions, {"dtype": "float16"}, "--dtype must be one of bfloat16, float32, got 'float16'"),
+    (HeadsCheckOptions, {"decode_dtype": "float16"}, "--decode-dtype must be one of bfloat16, float32, got 'float16'"),
     (EvalOptions, {"windows": 0}, "--windows must be >= 1, got 0"),
 ])
 def test_options_refuse_a_value_naming_the_flag(cls, values, message):
@@ -169,9 +197,9 @@ def _enumerated():
     settings = {f.name: f.metadata["compound.choices"] for f in QuantizeSettings.__dataclass_fields__.values()}
     return [("quantize", "--dtype", settings["dtype"]), ("quantize", "--format", settings["format"]),
             ("quantize", "--kv-cache", settings["kv_cache"]), ("quantize", "--method", tuple(METHODS)),
-            ("train-heads", "--dtype", FLOAT_DTYPES), ("convert", "--format", tuple(FORMATS)),
+            ("train-heads", "--target-dtype", FLOAT_DTYPES), ("convert", "--format", tuple(FORMATS)),
             ("convert", "--outtype", gguf.FLOAT_TYPES),
-            ("decode", "--kv-cache-dtype", tuple(CACHE_DTYPES)), ("validate", "--dtype", HEADS_DTYPES)]
+            ("decode", "--kv-cache-dtype", tuple(CACHE_DTYPES)), ("validate", "--decode-dtype", HEADS_DTYPES)]
 
 
 @pytest.mark.parametrize("command, flag, values", _enumerated(), ids=lambda v: v if isinstance(v, str) else None)
@@ -179,11 +207,11 @@ def test_every_enumerated_option_is_a_choice_type(command, flag, values):
     assert _choices(command, flag) == {str(v) for v in values if v is not None}
 
 
-@pytest.mark.parametrize("command", ["quantize", "train-heads"])
-def test_dtype_bf16_is_refused_naming_the_valid_values(tmp_path, tiny_llama_dir, command):
+@pytest.mark.parametrize("command, flag", [("quantize", "--dtype"), ("train-heads", "--target-dtype")])
+def test_dtype_bf16_is_refused_naming_the_valid_values(tmp_path, tiny_llama_dir, command, flag):
     before = entries(tmp_path)
-    result = run(command, "--model", tiny_llama_dir, "-o", tmp_path / "out", "--dtype", "bf16")
-    refused(result, "--dtype", "'bf16'", "bfloat16", "float16", "float32")
+    result = run(command, "--model", tiny_llama_dir, "-o", tmp_path / "out", flag, "bf16")
+    refused(result, flag, "'bf16'", "bfloat16", "float16", "float32")
     assert entries(tmp_path) == before  # no output, no work directory, no temporary directory
 
 
@@ -215,8 +243,8 @@ def test_convert_format_is_a_choice_and_writes_nothing(tmp_path):
 def test_validate_heads_dtype_and_categories_are_checked_before_any_work(tmp_path):
     before = entries(tmp_path)
     heads = tmp_path / "heads"
-    refused(run("validate", "--model", "smollm2-135m", "--heads", heads, "--dtype", "bf16"),
-            "--dtype", "'bf16'", "float32", "bfloat16")
+    refused(run("validate", "--model", "smollm2-135m", "--heads", heads, "--decode-dtype", "bf16"),
+            "--decode-dtype", "'bf16'", "float32", "bfloat16")
     text = refused(run("validate", "--model", "smollm2-135m", "--heads", heads, "--categories", "prose,poetry"),
                    "--categories", "poetry")
     assert "all, prose, code, non-english, structured" in text

@@ -43,8 +43,8 @@ heads:
   max_len: 96
   distill_tokens: 6
   distill_batch: 4
-  dtype: float32
-  train_dtype: fp32
+  target_dtype: float32
+  train_dtype: float32
   steps: 2
   batch_size: 2
   micro_batch_size: 1
@@ -134,7 +134,8 @@ BASE = "model: smollm2-135m\nquantize:\n  method: rtn\n  bits: 4\n  group_size: 
     (BASE + "push:\n  repo: a/b\n  tags: demo\n", 8, "push.tags: expected a list of strings, got 'demo'"),
     (BASE + "push:\n  repo: a/b\n  repo_id: a/c\n", 8, "push.repo_id: renamed repo, and push.repo is given too"),
     (BASE + "evaluate:\n  windows: 0\n", 7, "evaluate.windows: must be >= 1, got 0"),
-    (BASE + "evaluate:\n  dtype: float16\n", 7, "evaluate.dtype: must be one of bfloat16, float32, got 'float16'"),
+    (BASE + "evaluate:\n  decode_dtype: float16\n", 7,
+     "evaluate.decode_dtype: must be one of bfloat16, float32, got 'float16'"),
     (BASE + "evaluate:\n  categories: [code]\n", 7, "evaluate.categories: must include all"),
     (BASE + "gates:\n  accepted_length_mode: beam\n", 7, "gates.accepted_length_mode: must be one of tree, chain"),
     ("model: smollm2-135m\nheads: {}\ngates:\n  max_kl: 0.1\n", 4, "gates.max_kl: measures the quantized model, "

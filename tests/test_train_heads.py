@@ -19,10 +19,10 @@ PARTS = {"medusa": MedusaOptions, "eagle": EagleOptions, "data": DataOptions, "s
 
 def _job(target, output, **overrides):
     """A small job; each setting goes to the options object that declares it."""
-    settings = dict(num_heads=2, samples=4, max_len=96, distill_tokens=6, distill_batch=4, dtype="float32",
+    settings = dict(num_heads=2, samples=4, max_len=96, distill_tokens=6, distill_batch=4, target_dtype="float32",
                     eval_prompts=2, eval_tokens=6,
                     train=TrainConfig(steps=4, batch_size=2, micro_batch_size=1, eval_every=2, save_every=2,
-                                      warmup_steps=1, train_dtype="fp32")) | overrides
+                                      warmup_steps=1, train_dtype="float32")) | overrides
     parts = {part: cls(**{f.name: settings.pop(f.name) for f in fields(cls) if f.name in settings})
              for part, cls in PARTS.items()}
     return HeadsJob(model=str(target), output=output, **parts, **settings)
@@ -63,7 +63,7 @@ def test_pipeline_trains_selects_and_exports(tiny_llama_dir, tmp_path, one_threa
     try:
         longer = _job(tiny_llama_dir, tmp_path / "heads", overwrite=True,
                       train=TrainConfig(steps=6, batch_size=2, micro_batch_size=1, eval_every=2, save_every=2,
-                                        warmup_steps=1, train_dtype="fp32"))
+                                        warmup_steps=1, train_dtype="float32"))
         train_heads(longer, Console(quiet=True))
     finally:
         pipeline.write_hidden_shards = real
@@ -86,7 +86,7 @@ def test_refuses_existing_output_and_bad_options(tiny_llama_dir, tmp_path):
 
 def test_cli_dry_run_shows_the_trained_tokens(tiny_llama_dir, tmp_path):
     result = CliRunner().invoke(app, ["train-heads", "--model", str(tiny_llama_dir), "-o", str(tmp_path / "h"),
-                                      "--dry-run", "--samples", "2", "--max-len", "128", "--dtype", "float32"])
+                                      "--dry-run", "--samples", "2", "--max-len", "128", "--target-dtype", "float32"])
     assert result.exit_code == 0, result.output
     assert "tokens trained" in result.output
     assert not (tmp_path / "h").exists()
@@ -109,7 +109,7 @@ def test_same_command_under_torchrun(tiny_llama_dir, tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                "--master_port", str(port), shutil.which("compound"), "train-heads", "--model", str(tiny_llama_dir),
                "-o", str(out), "--num-heads", "2", "--samples", "4", "--max-len", "96", "--distill-tokens", "6",
-               "--dtype", "float32", "--steps", "2", "--batch-size", "2", "--micro-batch-size", "1",
+               "--target-dtype", "float32", "--steps", "2", "--batch-size", "2", "--micro-batch-size", "1",
                "--eval-every", "2", "--save-every", "2", "--eval-prompts", "1", "--eval-tokens", "4",
                "--batch-tokens", "96"]
     env = os.environ | {"OMP_NUM_THREADS": "1"}
@@ -137,7 +137,7 @@ def test_online_mode_writes_no_cache(tiny_llama_dir, tmp_path, one_thread):
 
     job = _job(tiny_llama_dir, tmp_path / "heads", online=True,
                train=TrainConfig(steps=2, batch_size=2, micro_batch_size=2, eval_every=2, save_every=2,
-                                 train_dtype="fp32"))
+                                 train_dtype="float32"))
     result = train_heads(job, Console(quiet=True))
     assert result.best_step == 2 and load_medusa(tmp_path / "heads").config.num_heads == 2
     assert not (job.work / "hidden").exists()
@@ -151,9 +151,9 @@ def test_cli_trains_and_validates_eagle_heads(tiny_llama_dir, tmp_path, one_thre
 
     out = tmp_path / head
     args = ["train-heads", "--model", str(tiny_llama_dir), "-o", str(out), "--head", head, "--samples", "4",
-            "--max-len", "96", "--distill-tokens", "6", "--dtype", "float32", "--steps", "2", "--batch-size", "2",
-            "--micro-batch-size", "1", "--eval-every", "2", "--save-every", "2", "--eval-prompts", "1",
-            "--eval-tokens", "4", "--depth", "3", "--top-k", "2", "--draft-tokens", "4", "--ttt-steps", "2",
+            "--max-len", "96", "--distill-tokens", "6", "--target-dtype", "float32", "--steps", "2",
+            "--batch-size", "2", "--micro-batch-size", "1", "--eval-every", "2", "--save-every", "2", "--eval-prompts",
+            "1", "--eval-tokens", "4", "--depth", "3", "--top-k", "2", "--draft-tokens", "4", "--ttt-steps", "2",
             "--draft-vocab", "300", *(["--loss", "ce"] if head == "eagle" else [])]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output

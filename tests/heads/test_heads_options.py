@@ -20,11 +20,12 @@ def test_every_option_has_help_and_a_unique_name():
     names = [f.name for cls in CLASSES for f in option_fields(cls)]
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
     assert all(help_of(f) for cls in CLASSES for f in option_fields(cls))
-    assert {"steps", "train_dtype", "dtype", "select_mode", "layout", "num_heads", "aux_layers"} <= set(names)
+    assert {"steps", "train_dtype", "target_dtype", "select_mode", "layout", "num_heads", "aux_layers"} <= set(names)
     assert {"weight_decay", "grad_clip", "log_every", "select_metric", "distill_prompt_tokens"}.isdisjoint(names)
     fields = {f.name: f for cls in CLASSES for f in option_fields(cls)}
     assert choices_of(fields["head"]) == ("medusa", "eagle", "eagle3")
-    assert choices_of(fields["layout"]) == ("vllm", "medusa") and choices_of(fields["train_dtype"]) == ("fp32", "bf16")
+    assert choices_of(fields["layout"]) == ("vllm", "medusa")
+    assert choices_of(fields["train_dtype"]) == ("float32", "bfloat16")
 
 
 @pytest.mark.parametrize("make, message", [
@@ -33,11 +34,11 @@ def test_every_option_has_help_and_a_unique_name():
     (lambda: EagleOptions(loss="mse"), "--loss must be one of kl, ce, got 'mse'"),
     (lambda: EagleOptions(top_k=0), "--draft-vocab, --ttt-steps, --depth, --top-k and --draft-tokens must be >= 1"),
     (lambda: DataOptions(samples=0), "need --samples >= 1 and --max-len >= 8, got 0 and 1024"),
-    (lambda: DataOptions(dtype="int8"), "--dtype must be one of float16, bfloat16, float32, got 'int8'"),
+    (lambda: DataOptions(target_dtype="int8"), "--target-dtype must be one of float16, bfloat16, float32, got 'int8'"),
     (lambda: DataOptions(batch_tokens=0), "--batch-tokens must be >= 1"),
     (lambda: DataOptions(stream_target=True), "--stream-target runs the target one layer at a time"),
     (lambda: SelectOptions(select_mode="beam"), "--select-mode must be one of tree, chain, got 'beam'"),
-    (lambda: TrainConfig(train_dtype="fp16"), "--train-dtype must be one of fp32, bf16, got 'fp16'"),
+    (lambda: TrainConfig(train_dtype="fp16"), "--train-dtype must be one of float32, bfloat16, got 'fp16'"),
     (lambda: TrainConfig(steps=0), "steps must be >= 1, got 0"),
     (lambda: HeadsJob(model="m", output=Path("o"), head="hydra"), "--head must be one of medusa, eagle, eagle3, got 'hydra'"),
 ])

@@ -58,7 +58,7 @@ def test_work_of_another_target_is_rebuilt(tiny_llama_dir, other_llama_dir, tmp_
 
 
 @pytest.mark.parametrize("change, why", [
-    (dict(dtype="bfloat16"), "rebuilding hidden, made for dtype float32, not bfloat16"),
+    (dict(target_dtype="bfloat16"), "rebuilding hidden, made for dtype float32, not bfloat16"),
     (dict(self_distill=True), "rebuilding hidden, made for dataset answers, not self-distilled answers"),
 ])
 def test_hidden_states_of_another_dtype_or_answers_are_rebuilt(tiny_llama_dir, tmp_path, change, why):
@@ -67,7 +67,7 @@ def test_hidden_states_of_another_dtype_or_answers_are_rebuilt(tiny_llama_dir, t
     shown = io.StringIO()
     _, data, _ = prepare_job(_job(tiny_llama_dir, tmp_path / "heads", **base | change), Console(file=shown))
     assert why in " ".join(shown.getvalue().split())
-    assert data.index["target"]["dtype"] == change.get("dtype", "float32")
+    assert data.index["target"]["dtype"] == change.get("target_dtype", "float32")
     assert data.index["target"]["answers"] == ("self-distilled" if change.get("self_distill") else "dataset")
 
 

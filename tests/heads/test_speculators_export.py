@@ -175,8 +175,8 @@ def test_train_heads_writes_the_speculators_layout_beside_and_prints_its_serve_l
     out = tmp_path / "eagle3"
     result = CliRunner().invoke(app, [
         "train-heads", "--model", str(tiny_llama_dir), "-o", str(out), "--head", "eagle3", "--samples", "4",
-        "--max-len", "96", "--distill-tokens", "6", "--dtype", "float32", "--steps", "2", "--batch-size", "2",
-        "--micro-batch-size", "1", "--eval-every", "2", "--save-every", "2", "--eval-prompts", "1",
+        "--max-len", "96", "--distill-tokens", "6", "--target-dtype", "float32", "--steps", "2",
+        "--batch-size", "2", "--micro-batch-size", "1", "--eval-every", "2", "--save-every", "2", "--eval-prompts", "1",
         "--eval-tokens", "4", "--depth", "3", "--top-k", "2", "--draft-tokens", "4", "--ttt-steps", "2",
         "--draft-vocab", "300"])
     assert result.exit_code == 0, result.output

@@ -22,7 +22,7 @@ from toolkit.heads.train import TrainConfig, collate, global_batch_indices, trai
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB, HIDDEN = 50, 16
-CONFIG = TrainConfig(lr=3e-2, warmup_steps=2, steps=12, batch_size=8, micro_batch_size=4, train_dtype="fp32",
+CONFIG = TrainConfig(lr=3e-2, warmup_steps=2, steps=12, batch_size=8, micro_batch_size=4, train_dtype="float32",
                      eval_every=4, save_every=4, log_every=2)
 
 
@@ -87,7 +87,7 @@ def test_global_batches_walk_every_example_once_per_epoch():
     assert sorted(stream[:40]) == sorted(stream[40:]) == list(range(40)) and stream[:40] != stream[40:]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_loss_goes_down(tmp_path, dtype):
     data = chain_data()
     heads = new_heads()
@@ -102,7 +102,7 @@ def test_loss_goes_down(tmp_path, dtype):
     result = train(heads, recording_loss_fn, data, config, tmp_path, eval_fn=lambda m: {"loss": mean_loss(m, data)},
                    progress=False)
     assert result.steps == 60 and result.final_metrics["loss"] < 0.5 * before
-    assert set(autocast_seen) == {dtype == "bf16"}
+    assert set(autocast_seen) == {dtype == "bfloat16"}
     assert all(p.dtype == torch.float32 for p in heads.parameters())
     logged = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged] == list(range(10, 61, 10)) and logged[-1]["loss"] < 0.5 * logged[0]["loss"]

@@ -167,11 +167,11 @@ def _validate_heads(model: str, heads: Path, check: HeadsCheckOptions, json_out:
     from toolkit.evaluate.acceptance import recommended, validate_heads
 
     try:
-        reports = validate_heads(model, heads, check.prompts, check.max_new_tokens, dtype=getattr(torch, check.dtype),
-                                 categories=check.categories)
+        reports = validate_heads(model, heads, check.prompts, check.max_new_tokens,
+                                 dtype=getattr(torch, check.decode_dtype), categories=check.categories)
     except (*user_errors(), ValueError) as err:
         fail(err)
-    title = (f"heads {heads} drafting for {model} ({check.dtype}): {check.prompts} held-out prompts × "
+    title = (f"heads {heads} drafting for {model} ({check.decode_dtype}): {check.prompts} held-out prompts × "
              f"{check.max_new_tokens} tokens")
     Console().print(fit(heads_table(reports, title)))
     Console().print("break-even length: the accepted length at which a step (draft + verify) costs what plain "

@@ -63,7 +63,9 @@ class HeadsCheckOptions:
 
     prompts: int = option(8, "With --heads: held-out prompts decoded.")
     max_new_tokens: int = option(MAX_NEW_TOKENS, "With --heads: tokens generated per prompt.")
-    dtype: str = option("float32", "With --heads: the target's dtype in the decode loop.", choices=HEADS_DTYPES)
+    decode_dtype: str = option("float32", "With --heads: the target's dtype in the decode loop (float32: the "
+                               "dtype in which speculative output is token-identical to greedy on CPUs).",
+                               choices=HEADS_DTYPES)
     categories: tuple[str, ...] = option(("all",), "With --heads: held-out prompt sets, comma-separated, each "
                                          f"reported apart: {', '.join(CATEGORIES)}.", choices=CATEGORIES)
 

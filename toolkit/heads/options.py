@@ -103,7 +103,8 @@ class DataOptions:
                                 "dataset's own assistant turns.", flag="--self-distill/--dataset-answers")
     distill_tokens: int = option(256, "Self-distillation: new tokens per answer at most.")
     distill_batch: int = option(16, "Self-distillation: prompts generated together.")
-    dtype: str = option("bfloat16", "Target dtype for self-distillation and hidden states.", choices=FLOAT_DTYPES)
+    target_dtype: str = option("bfloat16", "The target's dtype while it answers (self-distillation) and its hidden "
+                               "states are computed.", choices=FLOAT_DTYPES)
     online: bool = option(False, "Compute hidden states while training instead of caching them.")
     stream_target: bool = option(
         False, "Cache the hidden states with the target read one decoder layer at a time from the shards of a local "

@@ -56,7 +56,7 @@ from toolkit.options import check_choices, flag_name, option, option_fields
 LossFn = Callable[[nn.Module, dict], tuple[torch.Tensor, int, dict[str, float]]]
 CHECKPOINTS = "checkpoints"
 KEEP_CHECKPOINTS = 2
-TRAIN_DTYPES = ("fp32", "bf16")
+TRAIN_DTYPES = ("float32", "bfloat16")  # the names of FLOAT_DTYPES, as every other dtype option
 # TrainConfig fields a resumed run may change: when to log, save and evaluate; how a global batch is split into
 # micro-batches (the same mean, summed in another order); and steps, raised to train on (the rest of the cosine
 # decay then stretches to the new end). The others change what each step does.
@@ -69,8 +69,8 @@ class TrainConfig:
 
     batch_size: examples per optimizer step over all ranks and accumulation micro-steps; micro_batch_size: examples
     per forward on one rank (accumulation = batch_size / (micro_batch_size × world size)). grad_clip: max global
-    gradient norm (``float("inf")`` turns clipping off). train_dtype: "bf16" for autocast (parameters stay fp32), or
-    "fp32". seed: data order and, at a fresh start, the torch and ``random`` streams (seed + rank).
+    gradient norm (``float("inf")`` turns clipping off). train_dtype: "bfloat16" for autocast (parameters stay
+    float32), or "float32". seed: data order and, at a fresh start, the torch and ``random`` streams (seed + rank).
     select_metric: the eval_fn metric that picks ``best.pt`` (maximized); None keeps no best. The fields made with
     ``option`` are ``compound train-heads`` flags and recipe keys of the same names.
     """
@@ -82,7 +82,8 @@ class TrainConfig:
     batch_size: int = option(8, "Examples per optimizer step (all ranks together).")
     micro_batch_size: int = option(4, "Examples per forward on one rank (gradient accumulation makes up the rest).")
     grad_clip: float = 1.0
-    train_dtype: str = option("bf16", "Head training precision: bf16 (autocast) | fp32.", choices=TRAIN_DTYPES)
+    train_dtype: str = option("bfloat16", "Head training precision: bfloat16 (autocast) | float32.",
+                              choices=TRAIN_DTYPES)
     eval_every: int = option(100, "Steps between acceptance evaluations (and checkpoint selection).")
     save_every: int = option(100, "Steps between resumable checkpoints.")
     log_every: int = 10
@@ -304,7 +305,7 @@ def _optimizer_step(model, params, optimizer, loss_fn, count_fn, micro_batches, 
     metrics: dict[str, float] = {}
     for batch in micro_batches:
         batch = {key: value.to(device) for key, value in batch.items()}
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.train_dtype == "bf16"):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.train_dtype == "bfloat16"):
             loss_sum, batch_count, batch_metrics = loss_fn(model, batch)
         if loss_sum.requires_grad:  # a micro-batch without label tokens has no graph
             (loss_sum / global_count).backward()

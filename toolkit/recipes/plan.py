@@ -47,8 +47,9 @@ def plan(recipe: Recipe) -> list[Step]:
         planned += [
             Step("heads", {"heads": _what(asdict(h))}, ("quantize",) if q else (),
                   (recipe.heads_dir / "compound.json",), steps.heads, recipe.output / "heads.work"),
-            Step("heads_eval", {"prompts": ev.prompts, "max_new_tokens": ev.max_new_tokens, "dtype": ev.dtype,
-                                "categories": ev.categories}, ("heads",), (), steps.heads_eval),
+            Step("heads_eval", {"prompts": ev.prompts, "max_new_tokens": ev.max_new_tokens,
+                                "decode_dtype": ev.decode_dtype, "categories": ev.categories},
+                 ("heads",), (), steps.heads_eval),
         ]
     return planned
 

@@ -52,14 +52,14 @@ def heads(recipe: Recipe, console) -> dict:
 
 
 def heads_eval(recipe: Recipe, console) -> dict:
-    """``compound train-heads`` against the heads' target into ``<output>/heads``._eval"""
+    """The heads' accepted length and losslessness on held-out prompts (``compound validate --heads``)."""
     import torch
 
     from toolkit.evaluate.acceptance import validate_heads
 
     ev = recipe.evaluate
     console.print(f"measuring the heads' accepted length on {ev.prompts} held-out prompts × {ev.max_new_tokens} "
-                  f"tokens ({ev.dtype})")
+                  f"tokens ({ev.decode_dtype})")
     reports = validate_heads(recipe.heads_target, recipe.heads_dir, ev.prompts, ev.max_new_tokens,
-                             dtype=getattr(torch, ev.dtype), categories=ev.categories)
+                             dtype=getattr(torch, ev.decode_dtype), categories=ev.categories)
     return {r.mode: r.to_dict() for r in reports}
