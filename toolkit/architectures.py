@@ -92,9 +92,9 @@ class Family:
     rope_by_layer_type: ``config.rope_parameters`` holds one scheme per layer type, the rotary module one
     ``{layer_type}_inv_freq`` each (Gemma 3). awq_groups: (preceding module, linears sharing its output) per decoder
     layer, the scaling groups of AWQ (arXiv 2306.00978 §3.2), paths relative to the layer. decode: ``toolkit.decode``
-    runs it. eagle: the EAGLE head kinds (``toolkit.heads.eagle.KINDS``) that can draft for it. gguf: the llama.cpp
-    architecture (``general.architecture``) that ``compound convert --format gguf`` and ``quantize --gguf`` write it
-    as (``toolkit.formats.gguf``), None when GGUF export does not write it.
+    runs it. eagle: the EAGLE head kinds (``toolkit.heads.eagle_config.VARIANTS``) that can draft for it. gguf: the
+    llama.cpp architecture (``general.architecture``) that ``compound convert --format gguf`` and ``quantize --gguf``
+    write it as (``toolkit.formats.gguf``), None when GGUF export does not write it.
     """
 
     layers: str = "model.layers"

@@ -9,7 +9,6 @@ from toolkit.decode import Decoder, generate, speculative_generate
 from toolkit.decode.speculative import DraftContext
 from toolkit.decode.tree import eagle2_tree
 from toolkit.heads.eagle import (
-    EagleConfig,
     EagleHead,
     TTTAttention,
     draft_vocabulary,
@@ -18,6 +17,7 @@ from toolkit.heads.eagle import (
     eagle_loss,
     token_loss,
 )
+from toolkit.heads.eagle_config import EagleConfig
 from toolkit.heads.eagle_draft import EagleDrafter, TreeShape, _Tree, eagle_decoder
 from toolkit.heads.hidden_states import target_hidden_states
 from toolkit.heads.kinds.eagle import eagle_shapes

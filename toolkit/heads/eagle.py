@@ -25,92 +25,23 @@ buffers, and its RoPE frequencies as a float32 attribute: never trained, never s
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from toolkit.architectures import FAMILIES, UnsupportedFamily, family, supporting
+from toolkit.architectures import family
 from toolkit.decode.model import apply_rope, rope_frequencies
+from toolkit.heads.eagle_config import EAGLE3, VARIANTS, EagleConfig, check_family, default_aux_layers
 
-KINDS = ("eagle", "eagle3")
+
+
 # The layer type whose RoPE scheme a head takes from a target with one per layer type (Gemma 3): the global one, as
 # the draft layer attends over the whole sequence.
 HEAD_LAYER_TYPE = "full_attention"
 # The token loss against the target: "kl", forward KL(target || draft) over the draft vocabulary (soft labels, the
 # default of speculators); "ce", cross-entropy on the target's own greedy token (hard labels).
 LOSSES = ("kl", "ce")
-
-
-def check_family(model_type: str | None, kind: str) -> None:
-    """ValueError, naming the families that take them, unless ``kind`` heads can draft for ``model_type``
-    (``Family.eagle``)."""
-    try:
-        if kind in family(model_type, "eagle").eagle:
-            return
-    except UnsupportedFamily:
-        pass
-    supported = [name for name in supporting("eagle") if kind in FAMILIES[name].eagle]
-    raise ValueError(f"EAGLE heads ({kind}) for model_type {model_type!r} are not supported; supported: "
-                     f"{', '.join(supported)}")
-
-
-@dataclass(frozen=True)
-class EagleConfig:
-    """Shape of an EAGLE head; sizes default to the target's decoder layer (``from_target``).
-
-    aux_layers: ``eagle3`` only, increasing indices into transformers' ``hidden_states`` (the residual stream entering
-    that decoder layer; vLLM's numbering). target_layers: the target's decoder-layer count. rope: the target's RoPE
-    parameters (``rope_theta``, ``rope_scaling``) and ``max_position_embeddings``, written into exports.
-    """
-
-    kind: str
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    draft_vocab_size: int
-    rms_norm_eps: float = 1e-5
-    hidden_act: str = "silu"
-    aux_layers: tuple[int, ...] = ()
-    target_layers: int = 0
-    rope: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"EAGLE kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        if self.kind == "eagle3":
-            if not self.aux_layers or list(self.aux_layers) != sorted(set(self.aux_layers)):
-                raise ValueError(f"eagle3 needs increasing aux_layers, got {list(self.aux_layers)}")
-            if self.target_layers and not all(0 < i < self.target_layers for i in self.aux_layers):
-                raise ValueError(f"aux_layers {list(self.aux_layers)} must lie in [1, {self.target_layers}): the "
-                                 f"residual stream entering a decoder layer of the target")
-            if not 0 < self.draft_vocab_size <= self.vocab_size:
-                raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
-        elif self.aux_layers or self.draft_vocab_size != self.vocab_size:
-            raise ValueError("eagle (EAGLE-1) reads the final hidden state and the full vocabulary: no aux_layers, "
-                             "draft_vocab_size = vocab_size")
-
-    @property
-    def feature_size(self) -> int:
-        """Width of the target features the head reads per token."""
-        return self.hidden_size * (len(self.aux_layers) if self.kind == "eagle3" else 1)
-
-    def to_dict(self) -> dict:
-        return asdict(self) | {"aux_layers": list(self.aux_layers)}
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> EagleConfig:
-        return cls(**{**raw, "aux_layers": tuple(raw.get("aux_layers", ()))})
-
-
-def default_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's low, middle and high layers: (2, N // 2, N - 3), vLLM's and EAGLE's default (fewer when they
-    coincide, in targets of under 8 layers)."""
-    return tuple(sorted({i for i in (2, num_layers // 2, num_layers - 3) if 0 < i < num_layers}))
 
 
 class RMSNorm(nn.Module):
@@ -157,7 +88,7 @@ class DraftLayer(nn.Module):
         super().__init__()
         self.config = config
         H = config.hidden_size
-        two_inputs = config.kind == "eagle3"
+        two_inputs = config.variant.reads_aux_layers  # embedding and hidden state side by side
         if two_inputs:
             self.input_layernorm = RMSNorm(H, config.rms_norm_eps)
             self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
@@ -174,7 +105,7 @@ class DraftLayer(nn.Module):
         cos, sin [T, head_dim] (or [B, T, head_dim]) of each token's position."""
         c = self.config
         x = hidden
-        if c.kind == "eagle3":
+        if c.variant.reads_aux_layers:
             x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         B, T, _ = x.shape
         attn = self.self_attn
@@ -199,9 +130,9 @@ class EagleHead(nn.Module):
         super().__init__()
         self.config = config
         H = config.hidden_size
-        self.fc = nn.Linear(config.feature_size if config.kind == "eagle3" else 2 * H, H, bias=False)
+        self.fc = nn.Linear(config.fc_inputs, H, bias=False)
         self.midlayer = DraftLayer(config)
-        if config.kind == "eagle3":
+        if config.variant.own_lm_head:
             self.norm = RMSNorm(H, config.rms_norm_eps)
             self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
@@ -212,7 +143,7 @@ class EagleHead(nn.Module):
         self.attention_scaling = 1.0
 
     @classmethod
-    def from_target(cls, target: nn.Module, kind: str = "eagle3", aux_layers: Sequence[int] | None = None,
+    def from_target(cls, target: nn.Module, kind: str = EAGLE3.name, aux_layers: Sequence[int] | None = None,
                     draft_vocab: torch.Tensor | None = None) -> EagleHead:
         """A new head for ``target`` (its layer sizes), attached to it.
 
@@ -225,9 +156,10 @@ class EagleHead(nn.Module):
         """
         c = target.config
         check_family(c.model_type, kind)
+        variant = VARIANTS[kind]
         V = target.get_output_embeddings().weight.shape[0]
         vocab = torch.arange(V) if draft_vocab is None else torch.as_tensor(draft_vocab, dtype=torch.long).unique()
-        if kind == "eagle3" and aux_layers is None:
+        if variant.reads_aux_layers and aux_layers is None:
             aux_layers = default_aux_layers(c.num_hidden_layers)
         rope = {key: getattr(c, key) for key in ("rope_theta", "rope_scaling", "rope_parameters",
                                                  "max_position_embeddings") if getattr(c, key, None) is not None}
@@ -238,13 +170,13 @@ class EagleHead(nn.Module):
             num_attention_heads=c.num_attention_heads,
             num_key_value_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
             head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-            vocab_size=V, draft_vocab_size=len(vocab) if kind == "eagle3" else V, rms_norm_eps=c.rms_norm_eps,
+            vocab_size=V, draft_vocab_size=len(vocab) if variant.own_lm_head else V, rms_norm_eps=c.rms_norm_eps,
             # a Gemma target names its activation hidden_activation; the head, a Llama layer, keeps SiLU
             hidden_act=getattr(c, "hidden_act", EagleConfig.hidden_act),
             aux_layers=tuple(aux_layers or ()), target_layers=c.num_hidden_layers,
             rope=rope)
         head = cls(config)
-        if kind == "eagle3":
+        if variant.own_lm_head:
             with torch.no_grad():
                 head.set_draft_vocab(vocab)
                 head.lm_head.weight.normal_(0.0, getattr(c, "initializer_range", None) or 0.02)
@@ -262,7 +194,7 @@ class EagleHead(nn.Module):
                              f"{target.config.num_hidden_layers} layers")
         dtype = self.fc.weight.dtype
         self.embed = embed.detach().to(dtype)
-        if self.config.kind == "eagle":
+        if not self.config.variant.own_lm_head:
             self.target_lm_head = target.get_output_embeddings().weight.detach().to(dtype)
         layer_type = HEAD_LAYER_TYPE if family(target.config.model_type).rope_by_layer_type else None
         inv_freq, self.attention_scaling = rope_frequencies(target, layer_type)
@@ -282,7 +214,7 @@ class EagleHead(nn.Module):
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Target token ids of draft-vocabulary ids (identity for eagle)."""
-        return draft_ids + self.d2t[draft_ids] if self.config.kind == "eagle3" else draft_ids
+        return draft_ids + self.d2t[draft_ids] if self.config.variant.own_lm_head else draft_ids
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [..., head_dim] at integer ``positions`` [...]."""
@@ -297,7 +229,7 @@ class EagleHead(nn.Module):
         """The hidden state the first draft step reads from target ``features`` [..., feature_size]: eagle3's ``fc``
         over the concatenated layers; for eagle the feature itself (its ``fc`` fuses inside ``step``)."""
         features = features.to(self.fc.weight.dtype)
-        return self.fc(features) if self.config.kind == "eagle3" else features
+        return self.fc(features) if self.config.variant.reads_aux_layers else features
 
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              attend: Attend) -> torch.Tensor:
@@ -305,14 +237,14 @@ class EagleHead(nn.Module):
         after each hidden state's), at ``positions`` [T] or [B, T]."""
         embeds = F.embedding(tokens, self.embed)
         cos, sin = self.rope(positions)
-        if self.config.kind == "eagle":
+        if not self.config.variant.reads_aux_layers:
             return self.midlayer(self.fc(torch.cat([embeds, hidden], dim=-1)), None, cos, sin, attend)
         return self.midlayer(hidden, embeds, cos, sin, attend)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Logits of the token after the one a step read: [..., V_d] over the draft vocabulary (eagle3) or
         [..., V] (eagle, through the target's ``lm_head``)."""
-        if self.config.kind == "eagle3":
+        if self.config.variant.own_lm_head:
             return self.lm_head(self.norm(out))
         return F.linear(out, self.target_lm_head)
 

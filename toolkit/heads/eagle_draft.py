@@ -67,7 +67,7 @@ class EagleDrafter:
         self.k_cache = torch.zeros(1, c.num_key_value_heads, max_len, c.head_dim, dtype=dtype)
         self.v_cache = torch.zeros_like(self.k_cache)
         self._pairs: list[int] = []  # tokens[: pairs + 1] that the cached pairs were computed from
-        if c.kind == "eagle3":
+        if c.variant.own_lm_head:
             self._vocab = head.draft_to_target(torch.arange(c.draft_vocab_size))
 
     @torch.inference_mode()
@@ -109,7 +109,7 @@ class EagleDrafter:
     def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Log-probabilities over the target vocabulary [f, V] of head logits [f, V_d]."""
         logp = logits.float().log_softmax(-1)
-        if self.head.config.kind == "eagle":
+        if not self.head.config.variant.own_lm_head:
             return logp
         full = logp.new_full((logp.shape[0], self.head.config.vocab_size), float("-inf"))
         full[:, self._vocab] = logp

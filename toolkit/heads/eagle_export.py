@@ -57,21 +57,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from toolkit.formats.checkpoint import MANIFEST, WEIGHTS, atomic_directory, sha256_file, verify_manifest
-from toolkit.heads.eagle import EagleConfig, EagleHead
+from toolkit.heads.eagle import EagleHead
+from toolkit.heads.eagle_config import VARIANTS, EagleConfig
 from toolkit.heads.eagle_draft import TreeShape
 from toolkit.version import __version__
 
 CONFIG = "config.json"
-ARCHITECTURES = {"eagle": ["LlamaForCausalLMEagle", "LlamaForCausalLM"], "eagle3": ["LlamaForCausalLMEagle3"]}
-SGLANG_ALGORITHM = {"eagle": "EAGLE", "eagle3": "EAGLE3"}
-SGLANG_EAGLE3_AUX = 3  # SGLang's LlamaForCausalLMEagle3: fc = Linear(3 * hidden, hidden)
+FORMAT = "eagle"  # compound.json's "format" of an EAGLE head, in either layout
 ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings")
 
 
 def _disk_name(config: EagleConfig, name: str) -> str:
-    """On-disk name of a head state-dict name (EAGLE-1 numbers its layer ``layers.0``)."""
-    return "layers.0." + name.removeprefix("midlayer.") if config.kind == "eagle" and name.startswith("midlayer.") \
-        else name
+    """On-disk name of a head state-dict name (the layer under the variant's ``disk_layer``)."""
+    return config.variant.disk_layer + name.removeprefix("midlayer") if name.startswith("midlayer.") else name
 
 
 def _full_vocab(config: EagleConfig) -> bool:
@@ -82,10 +80,10 @@ def expected_eagle_tensors(config: EagleConfig) -> dict[str, tuple[tuple[int, ..
     """Every tensor name of the on-disk layout for a head of ``config``: (shape, "float" | "int64" | "bool")."""
     c = config
     H, I = c.hidden_size, c.intermediate_size
-    layer = "midlayer" if c.kind == "eagle3" else "layers.0"
-    attn_in = 2 * H if c.kind == "eagle3" else H
+    layer = c.variant.disk_layer
+    attn_in = 2 * H if c.variant.reads_aux_layers else H  # the embedding and the hidden state side by side, or fc's
     shapes = {
-        "fc.weight": (H, c.feature_size if c.kind == "eagle3" else 2 * H),
+        "fc.weight": (H, c.fc_inputs),
         f"{layer}.self_attn.q_proj.weight": (c.num_attention_heads * c.head_dim, attn_in),
         f"{layer}.self_attn.k_proj.weight": (c.num_key_value_heads * c.head_dim, attn_in),
         f"{layer}.self_attn.v_proj.weight": (c.num_key_value_heads * c.head_dim, attn_in),
@@ -95,13 +93,14 @@ def expected_eagle_tensors(config: EagleConfig) -> dict[str, tuple[tuple[int, ..
         f"{layer}.mlp.up_proj.weight": (I, H),
         f"{layer}.mlp.down_proj.weight": (H, I),
     }
-    if c.kind == "eagle":
+    if c.variant.fc_bias_on_disk:
         shapes["fc.bias"] = (H,)
-        return {name: (shape, "float") for name, shape in shapes.items()}
-    shapes |= {"midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,), "norm.weight": (H,),
-               "lm_head.weight": (c.draft_vocab_size, H)}
+    if c.variant.reads_aux_layers:
+        shapes |= {f"{layer}.input_layernorm.weight": (H,), f"{layer}.hidden_norm.weight": (H,)}
+    if c.variant.own_lm_head:
+        shapes |= {"norm.weight": (H,), "lm_head.weight": (c.draft_vocab_size, H)}
     expected = {name: (shape, "float") for name, shape in shapes.items()}
-    if not _full_vocab(c):
+    if c.variant.own_lm_head and not _full_vocab(c):
         expected |= {"d2t": ((c.draft_vocab_size,), "int64"), "t2d": ((c.vocab_size,), "bool")}
     return expected
 
@@ -175,8 +174,8 @@ def llama_layer_config(config: EagleConfig, dtype: torch.dtype) -> dict:
 def _config_json(config: EagleConfig, dtype: torch.dtype) -> dict:
     """The draft's ``config.json``: a one-layer LlamaConfig plus the keys of its kind (module docstring)."""
     c = config
-    raw = {"architectures": ARCHITECTURES[c.kind], **llama_layer_config(c, dtype), "bias": False}
-    if c.kind == "eagle":
+    raw = {"architectures": list(c.variant.architectures), **llama_layer_config(c, dtype), "bias": False}
+    if not c.variant.reads_aux_layers:
         return raw
     return raw | {"draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.hidden_size,
                   "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": list(c.aux_layers),
@@ -189,9 +188,9 @@ def disk_tensors(head: EagleHead) -> dict[str, torch.Tensor]:
     identity ``d2t``/``t2d`` (full vocabulary) dropped."""
     config = head.config
     tensors = {_disk_name(config, name): t.detach() for name, t in head.state_dict().items()}
-    if config.kind == "eagle":
+    if config.variant.fc_bias_on_disk:
         tensors.setdefault("fc.bias", torch.zeros(config.hidden_size, dtype=head.fc.weight.dtype))
-    elif _full_vocab(config) and "d2t" in tensors and "t2d" in tensors:
+    if _full_vocab(config) and "d2t" in tensors and "t2d" in tensors:
         if tensors["d2t"].any() or not tensors["t2d"].all():
             raise ValueError("the head's draft vocabulary is the full vocabulary but d2t/t2d are not the identity")
         del tensors["d2t"], tensors["t2d"]
@@ -212,7 +211,7 @@ def export_eagle(head: EagleHead, out_dir: Path, *, target: str, target_sha256: 
 
 def head_manifest(config: EagleConfig, target: str, target_sha256: str | None, dtype: torch.dtype) -> dict:
     """What ``compound.json`` records of a head in either layout: its config, target, dtype and aux layers."""
-    return {"compound_version": __version__, "format": "eagle", "kind": config.kind, "target": target,
+    return {"compound_version": __version__, "format": FORMAT, "kind": config.kind, "target": target,
             "target_sha256": target_sha256, "eagle": config.to_dict(), "dtype": str(dtype).removeprefix("torch."),
             "aux_layers": {"hf_hidden_states": list(config.aux_layers), "vllm": list(config.aux_layers),
                            "sglang": sglang_layer_ids(config)}}
@@ -265,11 +264,10 @@ def head_from_tensors(config: EagleConfig, tensors: dict[str, torch.Tensor], dir
         disk = _disk_name(config, name)
         if disk in tensors:
             state[name] = tensors[disk].float() if tensors[disk].is_floating_point() else tensors[disk]
-    if config.kind == "eagle":
-        if tensors["fc.bias"].any():
-            raise ValueError(f"{directory}: fc.bias is not zero; vLLM would drop it silently and compound's heads "
-                             "have no fc bias")
-    elif _full_vocab(config):
+    if config.variant.fc_bias_on_disk and tensors["fc.bias"].any():
+        raise ValueError(f"{directory}: fc.bias is not zero; vLLM would drop it silently and compound's heads "
+                         "have no fc bias")
+    if config.variant.own_lm_head and _full_vocab(config):
         state |= {"d2t": torch.zeros(config.draft_vocab_size, dtype=torch.long),
                   "t2d": torch.ones(config.vocab_size, dtype=torch.bool)}
     head.load_state_dict(state)
@@ -282,7 +280,7 @@ def _read_config(directory: Path) -> EagleConfig:
         raise FileNotFoundError(f"{directory} holds no {CONFIG}: not an EAGLE head directory")
     if (directory / MANIFEST).is_file():
         manifest = json.loads((directory / MANIFEST).read_text())
-        if manifest.get("format") != "eagle":
+        if manifest.get("format") != FORMAT:
             raise ValueError(f"{directory / MANIFEST} describes a {manifest.get('format')!r} export, not an EAGLE head")
         return EagleConfig.from_dict(manifest["eagle"])
     return config_from_json(json.loads((directory / CONFIG).read_text()), directory)
@@ -291,17 +289,14 @@ def _read_config(directory: Path) -> EagleConfig:
 def config_from_json(raw: dict, directory: Path) -> EagleConfig:
     """An ``EagleConfig`` from a draft ``config.json`` alone (the target's layer count unknown: 0)."""
     archs = raw.get("architectures") or []
-    if "LlamaForCausalLMEagle3" in archs:
-        kind = "eagle3"
-    elif "LlamaForCausalLMEagle" in archs:
-        kind = "eagle"
-    else:
-        raise ValueError(f"{directory / CONFIG}: architectures {archs} name neither LlamaForCausalLMEagle3 (EAGLE-3) "
-                         "nor LlamaForCausalLMEagle (EAGLE-1)")
+    variant = next((v for v in VARIANTS.values() if v.architectures[0] in archs), None)
+    if variant is None:
+        names = " nor ".join(v.architectures[0] for v in VARIANTS.values())
+        raise ValueError(f"{directory / CONFIG}: architectures {archs} name neither {names}")
     if raw.get("num_hidden_layers", 1) != 1 or raw.get("norm_before_residual", False):
         raise ValueError(f"{directory / CONFIG}: only one-layer heads with norm_before_residual false are supported")
     aux: list[int] = []
-    if kind == "eagle3":
+    if variant.reads_aux_layers:
         aux = raw.get("eagle_aux_hidden_state_layer_ids") or \
             [i + 1 for i in (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids", [])]
         if not aux:
@@ -309,10 +304,10 @@ def config_from_json(raw: dict, directory: Path) -> EagleConfig:
                              "eagle_config)")
     heads, vocab = raw["num_attention_heads"], raw["vocab_size"]
     return EagleConfig(
-        kind=kind, hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
+        kind=variant.name, hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
         num_attention_heads=heads, num_key_value_heads=raw.get("num_key_value_heads") or heads,
         head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, vocab_size=vocab,
-        draft_vocab_size=(raw.get("draft_vocab_size") or vocab) if kind == "eagle3" else vocab,
+        draft_vocab_size=(raw.get("draft_vocab_size") or vocab) if variant.own_lm_head else vocab,
         rms_norm_eps=raw.get("rms_norm_eps", 1e-5), hidden_act=raw.get("hidden_act", "silu"), aux_layers=tuple(aux),
         rope={key: raw[key] for key in ROPE_KEYS if raw.get(key) is not None})
 
@@ -325,12 +320,11 @@ def serving_flags(directory_or_config: Path | str | EagleConfig, draft_path: str
     flags for that EAGLE-2 tree."""
     config = directory_or_config if isinstance(directory_or_config, EagleConfig) \
         else _read_config(Path(directory_or_config))
-    spec = {"method": config.kind, "model": draft_path, "num_speculative_tokens": k}
-    if config.kind == "eagle":
-        spec["draft_tensor_parallel_size"] = 1
+    variant = config.variant
+    spec = {"method": variant.name, "model": draft_path, "num_speculative_tokens": k, **dict(variant.vllm_config)}
     spec_json = json.dumps(spec)
     flags = {"vllm_speculative_config": spec_json, "vllm": f"--speculative-config '{spec_json}'"}
-    if config.kind == "eagle" or len(config.aux_layers) == SGLANG_EAGLE3_AUX:
+    if variant.sglang_aux_layers in (None, len(config.aux_layers)):
         flags["sglang"] = _sglang_flags(config, draft_path, TreeShape(k))
         if tree is not None:
             flags["sglang_tree"] = _sglang_flags(config, draft_path, tree)
@@ -339,6 +333,6 @@ def serving_flags(directory_or_config: Path | str | EagleConfig, draft_path: str
 
 def _sglang_flags(config: EagleConfig, draft_path: str, shape: TreeShape) -> str:
     """SGLang's flags for drafting ``shape`` (see ``TreeShape``: the draft-token count includes the root)."""
-    return (f"--speculative-algorithm {SGLANG_ALGORITHM[config.kind]} --speculative-draft-model-path {draft_path} "
+    return (f"--speculative-algorithm {config.variant.sglang_algorithm} --speculative-draft-model-path {draft_path} "
             f"--speculative-num-steps {shape.depth} --speculative-eagle-topk {shape.top_k} "
             f"--speculative-num-draft-tokens {(shape.total_tokens or shape.depth) + 1}")

@@ -38,6 +38,7 @@ from toolkit.heads.medusa import MedusaConfig, MedusaHeads
 from toolkit.version import __version__
 
 CONFIG = "config.json"
+VLLM_MODEL_TYPE = "medusa"  # config.json's model_type in vLLM's layout
 WEIGHT_FILES = {"vllm": WEIGHTS, "medusa": "medusa_lm_head.safetensors"}
 LAYOUTS = tuple(WEIGHT_FILES)
 
@@ -90,11 +91,11 @@ def check_medusa_tensors(tensors: dict[str, torch.Tensor], config: MedusaConfig,
 
 
 def _config_json(config: MedusaConfig, layout: str, target: str, dtype: torch.dtype) -> dict:
-    if layout == "medusa":
+    if layout != "vllm":  # FasterDecoding's
         return {"medusa_num_heads": config.num_heads, "medusa_num_layers": config.num_layers,
                 "base_model_name_or_path": target}
     dtype_name = str(dtype).removeprefix("torch.")
-    return {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": config.hidden_size,
+    return {"model_type": VLLM_MODEL_TYPE, "architectures": ["MedusaModel"], "hidden_size": config.hidden_size,
             "vocab_size": config.vocab_size, "truncated_vocab_size": config.vocab_size,
             "num_heads": config.num_heads, "num_hidden_layers": config.num_layers,
             "medusa_fc_bias": True, "original_lm_head": config.shared_lm_head, "torch_dtype": dtype_name,
@@ -150,7 +151,7 @@ def load_medusa(directory: Path) -> MedusaHeads:
 def layout_of(raw: dict) -> str | None:
     """The layout a parsed ``config.json`` is of: "vllm" (``model_type: "medusa"``), "medusa" (FasterDecoding's
     ``medusa_num_heads``), or None when it is no Medusa config."""
-    if raw.get("model_type") == "medusa":
+    if raw.get("model_type") == VLLM_MODEL_TYPE:
         return "vllm"
     return "medusa" if "medusa_num_heads" in raw else None
 

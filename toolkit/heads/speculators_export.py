@@ -78,10 +78,11 @@ from pathlib import Path
 import torch
 
 from toolkit.formats.checkpoint import MANIFEST
-from toolkit.heads.eagle import EagleConfig, EagleHead
+from toolkit.heads.eagle import EagleHead
+from toolkit.heads.eagle_config import EAGLE3, EagleConfig
 from toolkit.heads.eagle_export import (
-    ARCHITECTURES,
     CONFIG,
+    FORMAT,
     check_eagle_tensors,
     config_from_json,
     disk_tensors,
@@ -158,7 +159,7 @@ def export_speculators(head: EagleHead, out_dir: Path, *, verifier: str, verifie
     ``speculative_tokens`` the chain vLLM drafts by default. Refuses EAGLE-1 heads (vLLM serves no speculators
     ``eagle``) and tensors that do not match ``expected_speculators_tensors``."""
     config = head.config
-    if config.kind != MODEL_TYPE:
+    if config.variant is not EAGLE3:
         raise ValueError(f"the speculators layout holds EAGLE-3 heads (vLLM 0.32 serves speculators_model_type "
                          f"{MODEL_TYPE!r} but no 'eagle'); this head is {config.kind!r}")
     if speculative_tokens < 1:
@@ -198,7 +199,7 @@ def _read_config(directory: Path) -> EagleConfig:
         raise FileNotFoundError(f"{directory} holds no {CONFIG}: not a speculators directory")
     if (directory / MANIFEST).is_file():
         manifest = json.loads((directory / MANIFEST).read_text())
-        if manifest.get("format") != "eagle" or manifest.get("layout") != LAYOUT:
+        if manifest.get("format") != FORMAT or manifest.get("layout") != LAYOUT:
             raise ValueError(f"{directory / MANIFEST} records a {manifest.get('format')!r} export in the "
                              f"{manifest.get('layout') or 'default'} layout, not an EAGLE head in the speculators "
                              "layout")
@@ -217,7 +218,7 @@ def _config_from_speculators(raw: dict, directory: Path) -> EagleConfig:
     if unsupported:
         raise ValueError(f"{directory / CONFIG}: {', '.join(unsupported)} true; compound's EAGLE-3 head computes "
                          "none of these")
-    return config_from_json({**layer, "architectures": ARCHITECTURES[MODEL_TYPE],
+    return config_from_json({**layer, "architectures": list(EAGLE3.architectures),
                              "draft_vocab_size": raw.get("draft_vocab_size"),
                              "eagle_aux_hidden_state_layer_ids": raw.get("eagle_aux_hidden_state_layer_ids"),
                              "norm_before_residual": raw.get("norm_before_residual", True)},  # vLLM's default

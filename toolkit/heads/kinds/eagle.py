@@ -11,11 +11,10 @@ import json
 from pathlib import Path
 
 from toolkit.formats.checkpoint import MANIFEST
-from toolkit.heads.eagle import (
-    EagleConfig, EagleHead, check_family, default_aux_layers, draft_vocabulary, eagle3_loss, eagle_loss,
-)
+from toolkit.heads.eagle import EagleHead, draft_vocabulary, eagle3_loss, eagle_loss
+from toolkit.heads.eagle_config import EAGLE1, EAGLE3, EagleConfig, check_family, default_aux_layers
 from toolkit.heads.eagle_draft import EagleDrafter, TreeShape, eagle_decoder
-from toolkit.heads.eagle_export import ARCHITECTURES, export_eagle, load_eagle, serving_flags
+from toolkit.heads.eagle_export import export_eagle, load_eagle, serving_flags
 from toolkit.heads.kinds import Built, HeadKind, first_draft_labels, register
 from toolkit.heads.options import EagleOptions
 from toolkit.heads.speculators_export import (
@@ -56,13 +55,14 @@ def _loss_suffix(opts: EagleOptions) -> str:
 class EagleKind(HeadKind):
     """EAGLE-1: the final-norm state and the next token's embedding, logits through the target's ``lm_head``."""
 
-    name = "eagle"
+    variant = EAGLE1
+    name = variant.name
     title = "EAGLE-1/2"
     options = EagleOptions
 
     @property
     def signature(self) -> str:
-        return f"{self.title}: architectures {ARCHITECTURES[self.name][0]}"
+        return f"{self.title}: architectures {self.variant.architectures[0]}"
 
     def describe(self, opts: EagleOptions) -> str:
         return f"an {self.name} head"
@@ -106,7 +106,7 @@ class EagleKind(HeadKind):
                                                                   shape.total_tokens, max_len=max_len)
 
     def detects(self, config: dict) -> bool:
-        return ARCHITECTURES[self.name][0] in (config.get("architectures") or [])
+        return self.variant.architectures[0] in (config.get("architectures") or [])
 
     def load(self, directory: Path) -> EagleHead:
         return load_eagle(directory)
@@ -156,7 +156,8 @@ class Eagle3Kind(EagleKind):
     """EAGLE-3: ``fc`` over the target's aux layers, a draft vocabulary, the training-time test; also exported in
     the speculators layout (``OUTPUT/speculators``) when vLLM can load the target."""
 
-    name = "eagle3"
+    variant = EAGLE3
+    name = variant.name
     title = "EAGLE-3"
 
     @property
