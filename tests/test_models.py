@@ -1,3 +1,4 @@
+import itertools
 import json
 import os
 import shutil
@@ -5,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,19 +87,20 @@ def test_local_directory_loads(tiny_llama_dir):
 
 @pytest.mark.slow
 def test_a_gguf_config_is_parsed_once_per_process(monkeypatch):
-    """Two resolutions of the alias (a skeleton, then load_model) read the embedded GGUF's config once (each parse of
-    the file takes seconds); each caller gets its own copy."""
+    """Two resolutions of a GGUF file (a skeleton, then load_model) read its config once (each parse of the file takes
+    seconds); each caller gets its own copy."""
     import transformers
 
     from toolkit import models
 
+    gguf = str(models.embedded_gguf("smollm2-135m"))
     models._gguf_config.cache_clear()
     parses = []
     real = transformers.AutoConfig.from_pretrained
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
                         lambda *a, **k: parses.append(k.get("gguf_file")) or real(*a, **k))
-    skeleton = models.resolve_model("smollm2-135m").empty()
-    model = load_model("smollm2-135m")
+    skeleton = models.resolve_model(gguf).empty()
+    model = load_model(gguf)
     assert parses == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
     assert model.config is not skeleton.config
     assert (model.config.num_hidden_layers, model.config.hidden_size) == (30, 576) == (
@@ -127,6 +130,112 @@ def _chunked(tmp_path, monkeypatch, parts: list[bytes], listed: str | None = Non
     monkeypatch.setitem(models.EMBEDDED, "fake", models.Embedded("fake_index", "whole.gguf", "org/fake",
                                                                  chunks=tuple(chunks), checksums="data/SUMS"))
     return tmp_path / "cache" / "fake" / "whole.gguf"
+
+
+@pytest.fixture
+def tiny_embedded(tmp_path, monkeypatch, tiny_llama_dir):
+    """An embedded alias "tiny" whose package holds a float32 GGUF file of the tiny Llama (tokenizer included), and
+    its conversion's cache folder (``COMPOUND_CACHE`` under ``tmp_path``)."""
+    from toolkit import models
+    from toolkit.gguf_export import export_gguf
+
+    package = tmp_path / "site" / "tiny_package"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    export_gguf(str(tiny_llama_dir), package / "tiny-F32.gguf", outtype="F32")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("COMPOUND_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(models.EMBEDDED, "tiny", models.Embedded("tiny_package", "tiny-F32.gguf", "org/tiny"))
+    return tmp_path / "cache" / "tiny"
+
+
+def test_an_embedded_model_is_read_from_a_directory_converted_once_from_its_gguf(tiny_embedded, monkeypatch):
+    """The alias resolves to a Hugging Face directory that holds the GGUF file's model (the same weights, logits,
+    tokens and chat template), converted on first use and read, not converted, after; the GGUF file stays the
+    source's weights (its identity, the metadata ``--gguf`` copies)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolkit import models
+
+    gguf = models.embedded_gguf("tiny")
+    source = models.resolve_model("tiny")
+    directory = Path(source.location)
+    assert directory.parent == tiny_embedded and [p.name for p in tiny_embedded.iterdir()] == [directory.name]
+    assert source.weights == gguf and source.gguf_file == gguf and source.load_args == ()
+    reference = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = source.load()
+    expected = reference.state_dict()
+    assert model.state_dict().keys() == expected.keys()
+    assert all(torch.equal(t, expected[name]) for name, t in model.state_dict().items())
+    text = "Hello, world! Ünïcödé 日本 def f(x):\n\treturn x"
+    assert source.tokenizer()(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert source.tokenizer().chat_template == tokenizer.chat_template
+    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    assert torch.equal(model(ids).logits, reference(ids).logits)
+    monkeypatch.setattr(models, "_convert_gguf", lambda *a: pytest.fail("converted twice"))
+    assert models.resolve_model("tiny").location == str(directory)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("alias", ["smollm2-135m", "gemma3-270m"])
+def test_each_real_models_converted_directory_is_its_gguf_model(alias):
+    """The real models as compound reads them (the converted directory) against transformers' own GGUF loader: every
+    weight, the logits, the chat template and the tokens of real conversations (Gemma's 262k-token vocabulary)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolkit.calibration.render import train_records
+    from toolkit.models import embedded_gguf, resolve_model
+
+    gguf = embedded_gguf(alias)
+    source = resolve_model(alias)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    records = itertools.islice(train_records(), 20)
+    texts = [message["content"] for record in records for message in (record.messages or ())[:2]]
+    assert [source.tokenizer()(t)["input_ids"] for t in texts] == [tokenizer(t)["input_ids"] for t in texts]
+    assert source.tokenizer().chat_template == tokenizer.chat_template
+    reference = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model = source.load()
+    expected = reference.state_dict()
+    assert all(torch.equal(t, expected[name]) for name, t in model.state_dict().items())
+    ids = torch.tensor([tokenizer(texts[0])["input_ids"][:64]])
+    assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def test_a_failed_conversion_leaves_nothing_and_a_lost_race_keeps_the_winners(tiny_embedded, tiny_llama_dir,
+                                                                             monkeypatch):
+    import safetensors.torch
+    import transformers
+
+    from toolkit import models
+
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoTokenizer):  # the files are what is tested here:
+        load = auto.from_pretrained  # read the tiny model's directory instead of parsing its GGUF file (seconds)
+        monkeypatch.setattr(auto, "from_pretrained", lambda *a, _load=load, gguf_file, **k: _load(tiny_llama_dir, **k))
+    real = safetensors.torch.save_file
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        models.embedded_model_dir("tiny")
+    assert not tiny_embedded.exists() or not any(tiny_embedded.iterdir())  # no directory, no staging left
+
+    target = {}
+    convert = models._convert_gguf
+
+    def race(gguf, directory):  # another process renames its finished directory into place while this one converts
+        target["path"] = directory
+        directory.mkdir(parents=True)
+        (directory / "config.json").write_text("{}")
+        convert(gguf, directory)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    monkeypatch.setattr(models, "_convert_gguf", race)
+    directory = models.embedded_model_dir("tiny")
+    assert directory == target["path"] and [p.name for p in directory.iterdir()] == ["config.json"]
+    assert [p.name for p in tiny_embedded.iterdir()] == [directory.name]  # the loser's staging is gone
 
 
 def test_a_chunked_embedded_file_is_assembled_once_and_checked(tmp_path, monkeypatch):

