@@ -6,7 +6,7 @@ the held-out perplexity through compound's loop (every window prefilled into the
 cache as stored) with
 
 - a float cache (the model's dtype), the reference;
-- an INT8 cache scaled per token and head as each entry is written (what ``compound decode --kv-cache int8`` does
+- an INT8 cache scaled per token and head as each entry is written (what ``compound decode --kv-cache-dtype int8`` does
   for a checkpoint without scales);
 - an INT8 cache with the checkpoint's calibrated static scales (what it does for one with them).
 
@@ -72,7 +72,7 @@ def main() -> None:
             f"calibrated on {args.samples}×{args.seq_len} ShareGPT tokens; held-out perplexity through compound's "
             f"decode loop on {args.windows}×{args.seq_len} tokens (eval split), the W4 linears on the dequantized "
             f"reference.\n\n{table}\n\nOne static scale per layer costs perplexity where a scale per token and head "
-            f"costs none, so `compound decode --kv-cache int8` scales per token and `--kv-cache int8-static` runs the "
+            f"costs none, so `compound decode --kv-cache-dtype int8` scales per token and `--kv-cache-dtype int8-static` runs the "
             f"calibrated scales (what an engine with static scales stores). Per KV head (`--strategy attn_head`) "
             f"measured the same here: the decode loop takes one scale per layer and keeps the largest head's.\n")
     print(body)

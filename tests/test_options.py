@@ -227,8 +227,8 @@ def test_recipe_dtype_takes_the_cli_values(tmp_path):
 
 
 def test_decode_kv_cache_is_a_choice(tiny_llama_dir):
-    result = run("decode", "--model", tiny_llama_dir, "--prompt", "Hi", "--kv-cache", "fp8")
-    refused(result, "--kv-cache", "'fp8'", "float", "int8")
+    result = run("decode", "--model", tiny_llama_dir, "--prompt", "Hi", "--kv-cache-dtype", "fp8")
+    refused(result, "--kv-cache-dtype", "'fp8'", "float", "int8")
 
 
 def test_convert_format_is_a_choice_and_writes_nothing(tmp_path):

@@ -66,7 +66,7 @@ def test_decode_runs_with_a_checkpoints_int8_scales(tmp_path, tiny_llama_dir):
                      cache)
         assert result.exit_code == 0, result.output
         assert f"KV cache {cache}, {scaling}" in " ".join(result.output.split())
-    conftest_refused(run("decode", "--model", plain, "--prompt", "Hi", "--kv-cache", "int8-static"),
+    conftest_refused(run("decode", "--model", plain, "--prompt", "Hi", "--kv-cache-dtype", "int8-static"),
                      "--kv-cache-dtype int8-static", "has none")
     model, _ = load_quantized(scaled)
     manifest = read_manifest(scaled)

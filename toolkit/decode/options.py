@@ -21,7 +21,7 @@ class DecodeOptions:
     kv_cache_dtype: str = option("float", "What the KV cache stores: float (the model dtype) | int8 (scales per "
                                  "token and head) | int8-static (the checkpoint's calibrated scales, from quantize "
                                  "--kv-cache int8: what a static-scale engine stores; BENCHMARKS.md).",
-                                 choices=tuple(CACHE_DTYPES), aliases=("--kv-cache",))
+                                 choices=tuple(CACHE_DTYPES))
     seed: int = option(0, "Sampling seed.")
     device: str = device_option()
 
