@@ -72,9 +72,10 @@ def main() -> None:
             f"calibrated on {args.samples}×{args.seq_len} ShareGPT tokens; held-out perplexity through compound's "
             f"decode loop on {args.windows}×{args.seq_len} tokens (eval split), the W4 linears on the dequantized "
             f"reference.\n\n{table}\n\nOne static scale per layer costs perplexity where a scale per token and head "
-            f"costs none, so `compound decode --kv-cache-dtype int8` scales per token and `--kv-cache-dtype int8-static` runs the "
-            f"calibrated scales (what an engine with static scales stores). Per KV head (`--strategy attn_head`) "
-            f"measured the same here: the decode loop takes one scale per layer and keeps the largest head's.\n")
+            f"costs none, so `compound decode --kv-cache-dtype int8` scales per token and `--kv-cache-dtype "
+            f"int8-static` runs the calibrated scales (what an engine with static scales stores). Per KV head "
+            f"(`--strategy attn_head`) measured the same here: the decode loop takes one scale per layer and keeps "
+            f"the largest head's.\n")
     print(body)
     if not args.no_write:
         update_section("INT8 KV cache: calibrated static scales vs per-token scales (SmolLM2, decode loop)", body)

@@ -319,9 +319,10 @@ class ModelSource:
     choice (``load``, ``empty``), and the tokenizer is read once per value (``tokenizer``).
 
     spec: as the user gave it (messages and manifests name it). weights: the local file or directory holding the
-    weights (an alias: its embedded GGUF, read through ``embedded_model_dir``), None for a Hub id. location, load_args: what ``from_pretrained`` reads
-    (a directory or Hub id; ``gguf_file`` / ``local_files_only``). quantized: a compound checkpoint (its
-    ``config.json`` holds a ``quantization_config``), loaded by ``toolkit.runtime.load``."""
+    weights (an alias: its embedded GGUF, read through ``embedded_model_dir``), None for a Hub id. location,
+    load_args: what ``from_pretrained`` reads (a directory or Hub id; ``gguf_file`` / ``local_files_only``).
+    quantized: a compound checkpoint (its ``config.json`` holds a ``quantization_config``), loaded by
+    ``toolkit.runtime.load``."""
 
     spec: str
     weights: Path | None
