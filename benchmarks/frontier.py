@@ -102,6 +102,17 @@ def parse_list(text: str, choices: tuple[str, ...], flag: str) -> list[str]:
     return values
 
 
+def parse_skips(text: str) -> set[tuple[str, str]]:
+    """``--skip``'s MODEL:METHOD pairs; exit 2 on an unknown model or method."""
+    pairs = [tuple(item.split(":", 1)) if ":" in item else (item, "") for item in text.split(",") if item]
+    bad = [":".join(p) for p in pairs if p[0] not in MODELS or p[1] not in METHODS]
+    if bad:
+        print(f"error: --skip: unknown {', '.join(bad)}; write MODEL:METHOD with a model of {', '.join(MODELS)} "
+              f"and a method of {', '.join(METHODS)}", file=sys.stderr)
+        raise SystemExit(2)
+    return set(pairs)
+
+
 def widths(float_dir: Path) -> dict[str, int]:
     """The input widths of the model's quantized linears, by the role that reads them."""
     config = json.loads((float_dir / "config.json").read_text())
@@ -116,10 +127,11 @@ def skipped(float_dir: Path, group_size: int) -> str | None:
     return ", ".join(f"{w} ({role}) % {group_size} = {w % group_size}" for role, w in bad.items()) or None
 
 
-def frontier_runs(args) -> list[Run]:
-    """compound's methods × rotations, then the peers' runs, as the options select them."""
+def frontier_runs(args, model: str) -> list[Run]:
+    """compound's methods × rotations (less ``--skip``'s on ``model``), then the peers' runs, as the options select
+    them."""
     runs = [Run("compound", m, r, args.iters if m == "signround" else None) for m in args.methods
-            for r in args.rotations if r == "none" or m in args.rotated_methods]
+            if (model, m) not in args.skip for r in args.rotations if r == "none" or m in args.rotated_methods]
     for peer in args.peers:
         if peer == "autoround":
             runs.append(Run("autoround", "signround", iters=args.iters))
@@ -334,6 +346,8 @@ def main() -> None:
     parser.add_argument("--rotated-methods", default=",".join(METHODS), help="the methods also run with each "
                         "rotation other than none (default: every method)")
     parser.add_argument("--peers", default=",".join(PEERS))
+    parser.add_argument("--skip", default="", help="MODEL:METHOD,...: compound's METHOD not run on MODEL "
+                        "(e.g. gemma3-270m:signround)")
     parser.add_argument("--grid", default="asym", choices=("asym", "sym"), help="the grid every tool gets")
     parser.add_argument("--calib-samples", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -356,6 +370,7 @@ def main() -> None:
     args.rotations = parse_list(args.rotations, ROTATIONS, "--rotations")
     args.rotated_methods = parse_list(args.rotated_methods, METHODS, "--rotated-methods")
     args.peers = parse_list(args.peers, PEERS, "--peers")
+    args.skip = parse_skips(args.skip)
     args.default_samples = [int(n) for n in args.default_samples.split(",") if n]
     args.act_order = next(f.default for f in dataclasses.fields(GPTQConfig) if f.name == "act_order")
     args.defaults_bits = PRECISIONS[args.precisions[0]][0]
@@ -380,7 +395,7 @@ def measure(model: str, args) -> dict[str, list[tuple[Run, dict]] | str]:
     else:
         for precision in args.precisions:
             why = skipped(float_dir, PRECISIONS[precision][1])
-            plans[precision] = f"skipped: {why}" if why else (frontier_runs(args), PRECISIONS[precision])
+            plans[precision] = f"skipped: {why}" if why else (frontier_runs(args, model), PRECISIONS[precision])
     results: dict[str, list[tuple[Run, dict]] | str] = {}
     for key, plan in plans.items():
         if isinstance(plan, str):
