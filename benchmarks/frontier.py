@@ -14,11 +14,12 @@ that drifts toward it), on ShareGPT's eval split and on text unlike it (the code
         [--methods rtn,gptq,awq,awq+gptq,signround] [--rotations none,hadamard] [--rotated-methods rtn,...]
         [--peers autoround,autoround-iters0,gptqmodel,llmcompressor,llmcompressor-hadamard,
                  llmcompressor-random-hadamard]
-        [--calib-samples 128] [--seq-len 512] [--iters 200] [--grid asym] [--reuse] [--no-write]
+        [--calib-samples 128] [--seq-len 512] [--iters 200] [--grid asym|sym|full] [--reuse] [--no-write]
     python benchmarks/frontier.py --defaults [--default-samples 32,128,512] ...   # compound's defaults, measured
 
-``--grid sym`` writes a section of its own (compound stores 3-bit weights only symmetric, in the GPTQ layout, so
-its asymmetric W3 rows fail with that message; AutoRound's own default grid is symmetric). A failed or missing row is
+``--grid sym`` and ``--grid full`` write a section each (compound stores 3-bit weights only symmetric, in the GPTQ
+layout, so its asymmetric W3 rows fail with that message; AutoRound's own default grid is symmetric over the full code
+range). ``full`` is compound's ``--full-range``; the peers get their symmetric grid either way. A failed or missing row is
 rerun by the same command with ``--reuse``: every finished run and score is taken from the cache, the rest is run.
 
 ``--defaults`` measures compound alone, one setting at a time from each method's defaults: the grid (sym / asym),
@@ -84,6 +85,14 @@ class Run:
         return ", ".join(SETTING_LABELS[k](v) for k, v in self.change) or "defaults"
 
 
+GRIDS = {  # --grid: what each tool gets
+    "asym": "asymmetric for every tool",
+    "sym": "symmetric for every tool (GPTQ's grid for compound, GPTQModel and llm-compressor: ±amax half a step inside "
+           "the codes; AutoRound's over the full code range)",
+    "full": "symmetric over the full code range for compound (--full-range) and AutoRound (its own symmetric grid), "
+            "GPTQ's symmetric grid for GPTQModel and llm-compressor",
+}
+SECTION_SUFFIXES = {"asym": "", "sym": " (symmetric grid)", "full": " (symmetric full-range grid)"}
 SETTING_LABELS = {  # --defaults: how the table names each changed setting
     "sym": lambda sym: "symmetric grid" if sym else "asymmetric grid",
     "act_order": lambda on: f"act-order {'on' if on else 'off'}",
@@ -168,11 +177,14 @@ def defaults_runs(args, float_dir: Path, bits: int) -> list[Run]:
     return runs
 
 
-def compound_config(run: Run, bits: int, group_size: int | None, sym: bool | None):
-    """The method config of a compound run; ``group_size`` / ``sym`` None: the method's default."""
+def compound_config(run: Run, bits: int, group_size: int | None, grid: str | None):
+    """The method config of a compound run on ``grid`` (one of ``GRIDS``); ``group_size`` / ``grid`` None: the
+    method's default."""
     from toolkit.quant.configs import make_config
 
-    options = {"bits": bits, "group_size": group_size, "sym": sym, "rotate": run.rotate, "iters": run.iters}
+    sym = None if grid is None else grid != "asym"
+    options = {"bits": bits, "group_size": group_size, "sym": sym, "full_range": grid == "full", "rotate": run.rotate,
+               "iters": run.iters}
     options.update((k, v) for k, v in run.change if k != "samples")
     return make_config(run.method, **options)
 
@@ -210,10 +222,10 @@ def run_one(run: Run, args, model: str, float_dir: Path, precision: tuple[int, i
     out, log = runs_dir / run.name, runs_dir / f"{run.name}.log"
     if run.tool == "compound":
         bits, group_size = precision or (args.defaults_bits, None)
-        sym = None if precision is None else args.grid == "sym"
+        grid = None if precision is None else args.grid
         samples = dict(run.change).get("samples", args.calib_samples)
         done = out / "config.json"  # written last, by the atomic rename of the checkpoint
-        command = quantize_argv(compound_config(run, bits, group_size, sym),
+        command = quantize_argv(compound_config(run, bits, group_size, grid),
                                 CalibrationSpec(samples=samples, seq_len=args.seq_len),
                                 ThreadSettings(threads=str(args.threads)), model=float_dir, output=out)
     else:
@@ -348,7 +360,7 @@ def main() -> None:
     parser.add_argument("--peers", default=",".join(PEERS))
     parser.add_argument("--skip", default="", help="MODEL:METHOD,...: compound's METHOD not run on MODEL "
                         "(e.g. gemma3-270m:signround)")
-    parser.add_argument("--grid", default="asym", choices=("asym", "sym"), help="the grid every tool gets")
+    parser.add_argument("--grid", default="asym", choices=tuple(GRIDS), help="the grid every tool gets")
     parser.add_argument("--calib-samples", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--iters", type=int, default=200, help="SignRound's and AutoRound's steps per block "
@@ -451,7 +463,7 @@ def report(args, measured: dict) -> None:
                 f". Held-out: {args.windows}×{args.seq_len} ShareGPT eval windows, and up to {args.slice_windows} "
                 f"windows each of its code and non-English slices (text unlike the calibration data). "
                 + ("Each method at its defaults, then one setting changed at a time." if defaults else
-                   f"Grid: {args.grid}metric for every tool; GPTQ act-order {'on' if args.act_order else 'off'} "
+                   f"Grid: {GRIDS[args.grid]}; GPTQ act-order {'on' if args.act_order else 'off'} "
                    f"(static groups) for every tool; SignRound and AutoRound {args.iters} iterations; llm-compressor's "
                    "rotation: SpinQuant R1+R2 with its Hadamard transform (deterministic: powers of two only) or "
                    "its random one.")
@@ -465,7 +477,7 @@ def report(args, measured: dict) -> None:
              if isinstance(rows, list) else rows for k, rows in results.items()} for m, results in measured.items()},
         indent=2, default=str))
     if not args.no_write:
-        update_section(DEFAULTS_TITLE if defaults else TITLE + ("" if args.grid == "asym" else " (symmetric grid)"),
+        update_section(DEFAULTS_TITLE if defaults else TITLE + SECTION_SUFFIXES[args.grid],
                        body)
 
 

@@ -125,11 +125,13 @@ def test_frontier_records_a_failed_run_by_its_own_error_line(tmp_path):
     assert load_frontier().last_message(log) == "grid check FAILED: off grid"
 
 
-def test_frontier_argv_for_signround_with_rotation_parses_back():
+@pytest.mark.parametrize("grid", ["asym", "full"])
+def test_frontier_argv_for_signround_with_rotation_parses_back(grid):
     frontier = load_frontier()
     run = frontier.Run("compound", "signround", "hadamard", iters=2)
-    config = frontier.compound_config(run, bits=3, group_size=64, sym=False)
+    config = frontier.compound_config(run, bits=3, group_size=64, grid=grid)
     argv = load_commands().quantize_argv(config, CalibrationSpec(samples=4), model="m", output="o")
     options = parsed(argv)
     assert make_config(options["method"], **flags.method_options(METHODS.values(), options)) == config
     assert config.rotate == "hadamard" and config.iters == 2 and config.bits == 3
+    assert (config.sym, config.full_range) == ((False, False) if grid == "asym" else (True, True))

@@ -21,6 +21,7 @@ HELP = "compound.help"
 CHOICES = "compound.choices"
 FLAG = "compound.flag"
 ALIASES = "compound.aliases"
+TRAIN_DTYPES = ("float32", "bfloat16")  # what a learner (heads, SignRound) computes in: bfloat16 is autocast
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, choices: tuple | None = None,

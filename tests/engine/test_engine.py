@@ -5,7 +5,7 @@ from conftest import tiny_model
 from toolkit.engine.loop import quantize_layers
 from toolkit.engine.session import ActivationError, LayerSession
 from toolkit.methods import driver_for
-from toolkit.quant.configs import ConfigError, GPTQConfig, RTNConfig
+from toolkit.quant.configs import ConfigError, GPTQConfig, RTNConfig, SignRoundConfig
 from toolkit.quant.primitives import quantize_rtn
 
 
@@ -121,3 +121,35 @@ def test_replay_needs_a_parent_whose_output_is_the_linear_output():
     session = LayerSession(0, layer, capture_layer_inputs(model, tokens, 2), GPTQConfig(group_size=32),
                            layer_linears(layer))
     assert session.trace_replayable() == {"self_attn.o_proj": ("self_attn", 2), "mlp.down_proj": ("mlp", 0)}
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_learner_gets_the_float_models_outputs_of_every_layer(tmp_path, offload):
+    """The float stream: each layer's ``float_outputs`` are the float model's, though its inputs are quantized."""
+    model = tiny_model("llama", vocab=128)
+    tokens = torch.randint(0, 128, (4, 16))
+    expected = {}
+    hooks = [layer.register_forward_hook(lambda m, a, out, i=i: expected.setdefault(i, out[0] if isinstance(out, tuple)
+                                                                                    else out))
+             for i, layer in enumerate(model.model.layers)]
+    with torch.no_grad():
+        model(input_ids=tokens, use_cache=False)
+    for h in hooks:
+        h.remove()
+    seen, inputs_seen = {}, {}
+
+    def driver(session):  # records what a learner sees, then rounds to nearest
+        seen[session.index] = torch.cat(list(session.float_outputs()))
+        inputs_seen[session.index] = torch.cat(list(session.inputs.hidden))
+        return {n: quantize_rtn(m.weight.data, 2, 32, True) for n, m in session.linears.items()}
+
+    config = SignRoundConfig(group_size=32, bits=2, iters=1)
+    scratch = tmp_path / "scratch" if offload else None
+    if scratch is not None:
+        scratch.mkdir()
+    quantize_layers(model, config, driver, tokens, lambda *a: None, batch_size=2, offload_dir=scratch)
+    assert sorted(seen) == list(range(len(model.model.layers))) and len(seen) > 1
+    for index, outputs in seen.items():
+        torch.testing.assert_close(outputs, expected[index], rtol=1e-5, atol=1e-5)
+    last = len(seen) - 1  # the quantized stream moved away from the float one: the targets are not its outputs
+    assert (inputs_seen[last] - (expected[last - 1])).abs().max() > 1e-2

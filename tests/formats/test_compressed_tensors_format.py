@@ -130,9 +130,10 @@ def test_pack_matches_pack_to_int32_with_padding():
         assert torch.equal(tensors["weight_zero_point"], pack_to_int32(signed_zero, bits, packed_dim=0))
 
 
-@pytest.mark.parametrize("bits,group_size,sym", [(4, 32, True), (4, 64, False), (8, -1, False)])
+@pytest.mark.parametrize("bits,group_size,sym,full_range", [(4, 32, True, False), (4, 64, False, False),
+                                                           (8, -1, False, False), (4, 32, True, True)])
 def test_compressed_tensors_decompressor_agrees_on_a_written_checkpoint(tmp_path, tiny_llama_dir, bits, group_size,
-                                                                        sym):
+                                                                        sym, full_range):
     """compressed-tensors' own model-free dequantizer reads config.json and the safetensors file we wrote."""
     pytest.importorskip("compressed_tensors")
     from compressed_tensors.entrypoints.convert.converters import CompressedTensorsDequantizer
@@ -140,7 +141,8 @@ def test_compressed_tensors_decompressor_agrees_on_a_written_checkpoint(tmp_path
 
     from toolkit.quantize import QuantizeSettings, quantize
 
-    out = quantize(str(tiny_llama_dir), RTNConfig(bits=bits, group_size=group_size, sym=sym), tmp_path / "q",
+    config = RTNConfig(bits=bits, group_size=group_size, sym=sym, full_range=full_range)  # full range: scales < 0
+    out = quantize(str(tiny_llama_dir), config, tmp_path / "q",
                    settings=QuantizeSettings(format="compressed-tensors", dtype="float16")).output
     tensors = load_file(out / "model.safetensors")
     theirs = CompressedTensorsDequantizer(out, dtype=torch.float16).validate(dict(tensors))

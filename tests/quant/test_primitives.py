@@ -144,3 +144,37 @@ def test_the_gptq_rule_stays_the_default():
     qw = quantize_rtn(W, 4, 32, True)
     amax = W.reshape(8, 2, 32).abs().amax(-1)
     assert torch.allclose(qw.scale, 2 * amax / 15) and bool((qw.scale > 0).all())
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_the_full_range_rule_puts_each_groups_extreme_on_an_end_code_and_rounds_closer(bits):
+    """AutoRound's and llama.cpp's symmetric grid, as a textbook loop: d = extreme / −2^(bits−1), codes
+    clamp(round(w / d) + 2^(bits−1), 0, maxq). Every code is used and the error is below the GPTQ grid's."""
+    from toolkit.quant.primitives import FULL_RANGE_RULE
+
+    torch.manual_seed(3)
+    W = torch.randn(16, 128)
+    qw = quantize_rtn(W, bits, 32, True, rule=FULL_RANGE_RULE)
+    half = 2 ** (bits - 1)
+    expected = torch.empty_like(W)
+    for n in range(16):
+        for start in range(0, 128, 32):
+            w = W[n, start:start + 32]
+            extreme = w[w.abs().argmax()]
+            d = extreme / -half
+            expected[n, start:start + 32] = d * (torch.clamp(torch.round(w / d) + half, 0, 2 * half - 1) - half)
+    torch.testing.assert_close(qw.dequantize(), expected, rtol=0, atol=1e-6)
+    assert int(qw.codes.min()) == 0 and int(qw.codes.max()) == 2 * half - 1
+    assert bool((qw.scale < 0).any()) and bool((qw.scale > 0).any())
+    gptq = quantize_rtn(W, bits, 32, True)
+    assert (qw.dequantize() - W).square().sum() < 0.95 * (gptq.dequantize() - W).square().sum()
+
+
+def test_full_range_is_a_symmetric_option_that_gguf_implies():
+    from toolkit.quant.primitives import FULL_RANGE_RULE, GGUF_RULE, GPTQ_RULE
+
+    assert GPTQConfig(full_range=True).scale_rule == FULL_RANGE_RULE and GPTQConfig().scale_rule == GPTQ_RULE
+    assert GPTQConfig(full_range=True, gguf=True).scale_rule == GGUF_RULE == GPTQConfig(gguf=True).scale_rule
+    with pytest.raises(ConfigError, match="--full-range is a symmetric grid; method 'awq' is asymmetric here: pass "
+                                          "--sym with it"):
+        make_config("awq", full_range=True)

@@ -25,6 +25,10 @@ Nothing non-finite gets through: each layer's weights are checked when it is loa
 driver returns them, and the activations after the embeddings and after every layer (``NonFiniteError``, naming the
 decoder layer and the tensor).
 
+A method that learns on the float model's outputs (``learns_rounding``) gets them from a second stream: the engine
+runs each layer on the float model's inputs before the driver changes its weights (``LayerSession.float_outputs``),
+and those outputs enter the next layer's ``reference``.
+
 A layer's inputs, its session and the replay of o_proj/down_proj for their parents live in ``toolkit.engine.session``.
 """
 
@@ -147,6 +151,8 @@ def quantize_layers(
         session = LayerSession(index, layer, inputs, config, linears, arch=arch_spec(model))
         everyone = config.moe_calibration == "all"
         saved = None if checkpoints is None else checkpoints.load(index)
+        if inputs is not None and config.learns_rounding:  # the float stream, while the weights are still float
+            session.float_outputs(None if scratch is None else DiskActivations(scratch / f"reference-{index}"))
         counts: dict[str, int] = {}
         if saved is not None:
             progress.step(f"layer {index}: loaded from {checkpoints.directory}")
@@ -183,6 +189,10 @@ def quantize_layers(
                 if isinstance(inputs.hidden, DiskActivations):
                     inputs.hidden.delete()
                 inputs.hidden = outputs
+                if config.learns_rounding:
+                    if isinstance(inputs.reference, DiskActivations):
+                        inputs.reference.delete()
+                    inputs.reference = session.float_outputs()
         layer.to("cpu")
         source.release(index, layer)
         errors.update({f"{prefix}.{index}.{name}": e for name, e in session.errors.items()})

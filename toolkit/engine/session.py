@@ -45,10 +45,13 @@ class _Stop(Exception):
 @dataclass
 class LayerInputs:
     """What enters one decoder layer for every calibration batch: hidden states [B, T, H] (a list, or a
-    ``DiskActivations`` read back batch by batch) and keyword arguments."""
+    ``DiskActivations`` read back batch by batch) and keyword arguments. ``reference``: what the float model's same
+    layer receives, for methods that learn on the float model's outputs (``learns_rounding``); None where it equals
+    ``hidden`` (the first layer) or is not kept."""
 
     hidden: Sequence[torch.Tensor]
     kwargs: list[dict[str, Any]]
+    reference: Sequence[torch.Tensor] | None = None
 
 
 @dataclass
@@ -74,6 +77,23 @@ class LayerSession:
     replayable: dict[str, tuple[str, int]] = field(default_factory=dict)
     kept: dict[str, _Kept] = field(default_factory=dict, repr=False)
     sparse: set[str] = field(default_factory=set)
+    _float_outputs: Sequence[torch.Tensor] | None = field(default=None, repr=False)
+
+    def float_outputs(self, store: DiskActivations | None = None) -> Sequence[torch.Tensor]:
+        """The float model's outputs of this layer for every calibration batch: the layer run on the float model's
+        inputs (``inputs.reference``, else the session's own), computed on the first call, while the weights are
+        still float, and kept (appended to ``store``, default a list). A learner's targets, and the next layer's
+        ``reference``."""
+        if self._float_outputs is None:
+            hidden = self.inputs.reference if self.inputs.reference is not None else self.inputs.hidden
+            outputs = [] if store is None else store
+            with torch.no_grad():
+                for b, kwargs in enumerate(self.inputs.kwargs):
+                    out = _layer_output(self.layer(hidden[b], **kwargs))
+                    _check_finite([out], self.index)
+                    outputs.append(out)
+            self._float_outputs = outputs
+        return self._float_outputs
 
     def rtn_sparse(self) -> dict[str, QuantizedWeight]:
         """Round the ``sparse`` linears to nearest, write their weights back, and return them."""

@@ -51,12 +51,11 @@ from torch import nn
 from toolkit.engine import distributed
 from toolkit.engine.devices import local_cuda
 from toolkit.formats.checkpoint import atomic_directory, write_text_atomic
-from toolkit.options import check_choices, flag_name, option, option_fields
+from toolkit.options import TRAIN_DTYPES, check_choices, flag_name, option, option_fields
 
 LossFn = Callable[[nn.Module, dict], tuple[torch.Tensor, int, dict[str, float]]]
 CHECKPOINTS = "checkpoints"
 KEEP_CHECKPOINTS = 2
-TRAIN_DTYPES = ("float32", "bfloat16")  # the names of FLOAT_DTYPES, as every other dtype option
 # TrainConfig fields a resumed run may change: when to log, save and evaluate; how a global batch is split into
 # micro-batches (the same mean, summed in another order); and steps, raised to train on (the rest of the cosine
 # decay then stretches to the new end). The others change what each step does.

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from toolkit.options import check_choices, choices_of, flag_of, help_of, option
+from toolkit.options import TRAIN_DTYPES, check_choices, choices_of, flag_of, help_of, option
 
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
 # what an unset group size may become, largest (fewest scales) first
@@ -32,7 +32,8 @@ class WeightQuantConfig:
 
     bits: code width, 2..8. group_size: input columns per scale (-1: per output channel; 32/64/128); None until
     ``fitted`` to a model, which makes it the largest of ``STANDARD_GROUP_SIZES`` dividing every quantized width.
-    sym: symmetric grid (zero fixed at 2^(bits-1)). skip: module names or suffixes left in float (lm_head by default).
+    sym: symmetric grid (zero fixed at 2^(bits-1)). full_range: a symmetric grid whose scale puts each group's
+    largest-magnitude weight on code 0 (``FULL_RANGE_RULE``), so all 2^bits codes serve. skip: module names or suffixes left in float (lm_head by default).
     gguf: the codes are for llama.cpp's GGUF blocks too (``quantize`` writes the GGUF file beside the checkpoint):
     the quantizers use ``scale_rule`` GGUF's (a symmetric group's largest-magnitude value on code 0 as llama.cpp's
     Q4_0, scales rounded to fp16 before codes are chosen), and an unset group size becomes 32, the block size.
@@ -60,6 +61,10 @@ class WeightQuantConfig:
                         "with codes chosen on its grid (llama.cpp's Q4_0 scale rule, fp16 scales) and written as "
                         "they are: group size 32 (the default with --gguf), no dynamic act-order, a llama model.",
                         flag="--gguf/--no-gguf")
+    full_range: bool = option(False, "Symmetric grid over all 2^bits codes: each group's largest-magnitude weight "
+                                     "on an end code, as llama.cpp's Q4_0 and AutoRound's (scales are negative where "
+                                     "that weight is positive); default: the GPTQ reference grid, which leaves the "
+                                     "top code's step unused. --gguf implies it.", flag="--full-range/--no-full-range")
     skip: tuple[str, ...] = option(("lm_head",), "Module names (or suffixes) left unquantized; repeatable.")
     seed: int = option(0, "Seed for calibration sampling and any random choice.")
     act_order: bool = option(False, "GPTQ: decreasing-Hessian column order, static groups (default on).",
@@ -95,6 +100,9 @@ class WeightQuantConfig:
         if self.moe_min_tokens < 0:
             raise ConfigError(f"--moe-min-tokens must be 0 or more, got {self.moe_min_tokens}")
         check_choices(self, ConfigError)
+        if self.full_range and not self.sym:
+            raise ConfigError(f"--full-range is a symmetric grid; method {self.method!r} is asymmetric here: pass "
+                              "--sym with it, or drop --full-range")
         if self.act_order and not self.reorders_columns:
             raise ConfigError(f"act_order is a GPTQ option; method {self.method!r} has none "
                               f"(use {' or '.join(methods_that('reorders_columns'))})")
@@ -139,10 +147,10 @@ class WeightQuantConfig:
     @property
     def scale_rule(self):
         """How the quantizers turn a group's range into its scale (``toolkit.quant.primitives.ScaleRule``): GGUF's
-        for a GGUF target, else the GPTQ reference grid's."""
-        from toolkit.quant.primitives import GGUF_RULE, GPTQ_RULE
+        for a GGUF target, the full range's with ``full_range``, else the GPTQ reference grid's."""
+        from toolkit.quant.primitives import FULL_RANGE_RULE, GGUF_RULE, GPTQ_RULE
 
-        return GGUF_RULE if self.gguf else GPTQ_RULE
+        return GGUF_RULE if self.gguf else FULL_RANGE_RULE if self.full_range else GPTQ_RULE
 
     def to_dict(self) -> dict:
         """Plain dict of every field plus the method name, for manifests and fingerprints."""
@@ -272,6 +280,8 @@ class SignRoundConfig(WeightQuantConfig):
     lr: float | None = option(None, "SignRound: step of the rounding offsets, decaying linearly to 0 "
                                     "(default 1/iters).")
     minmax_lr: float | None = option(None, "SignRound: step of the clipping ranges (default --lr).")
+    train_dtype: str = option("bfloat16", "SignRound: precision of the layer's forward and backward while it learns: "
+                                          "bfloat16 (autocast) | float32.", choices=TRAIN_DTYPES)
 
     method = "signround"
     learns_rounding = True

@@ -50,6 +50,7 @@ class ScaleRule:
 
 
 GPTQ_RULE = ScaleRule()  # the GPTQ reference grid, every safetensors format's default
+FULL_RANGE_RULE = ScaleRule(signed_max=True)  # a symmetric grid over all 2^bits codes (--full-range; AutoRound's)
 GGUF_RULE = ScaleRule(signed_max=True, dtype=torch.float16)  # llama.cpp's Q4_0 rule, fp16 scales as its blocks store
 GGUF_BLOCK_SIZE = 32  # weights per GGUF block (llama.cpp's QK4_0 = QK4_1 = QK8_0): the group size of a GGUF grid
 
