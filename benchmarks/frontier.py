@@ -12,6 +12,7 @@ that drifts toward it), on ShareGPT's eval split and on text unlike it (the code
 
     python benchmarks/frontier.py [--models smollm2-135m,gemma3-270m] [--precisions w4g64,w3g64,w4g128]
         [--methods rtn,gptq,awq,awq+gptq,signround] [--rotations none,hadamard] [--rotated-methods rtn,...]
+        [--float-targets-methods gptq,awq+gptq]
         [--peers autoround,autoround-iters0,gptqmodel,llmcompressor,llmcompressor-hadamard,
                  llmcompressor-random-hadamard]
         [--calib-samples 128] [--seq-len 512] [--iters 200] [--grid asym|sym|full] [--reuse] [--no-write]
@@ -80,6 +81,12 @@ class Run:
         return "_".join(parts)
 
     @property
+    def label(self) -> str:
+        """The method as the main table names it: iterations and a changed setting in brackets."""
+        return self.method + "".join(f" ({x})" for x in ([f"{self.iters} iters"] if self.iters is not None else [])
+                                     + ([self.setting] if self.change else []))
+
+    @property
     def setting(self) -> str:
         """The changed setting as the table shows it ("defaults" when none is)."""
         return ", ".join(SETTING_LABELS[k](v) for k, v in self.change) or "defaults"
@@ -98,6 +105,7 @@ SETTING_LABELS = {  # --defaults: how the table names each changed setting
     "act_order": lambda on: f"act-order {'on' if on else 'off'}",
     "samples": lambda n: f"{n} calibration samples",
     "group_size": lambda g: f"group size {g}",
+    "float_targets": lambda on: "float targets" if on else "own weights",
 }
 
 
@@ -139,8 +147,10 @@ def skipped(float_dir: Path, group_size: int) -> str | None:
 def frontier_runs(args, model: str) -> list[Run]:
     """compound's methods × rotations (less ``--skip``'s on ``model``), then the peers' runs, as the options select
     them."""
-    runs = [Run("compound", m, r, args.iters if m == "signround" else None) for m in args.methods
-            if (model, m) not in args.skip for r in args.rotations if r == "none" or m in args.rotated_methods]
+    changes = {m: [()] + [(("float_targets", True),)] * (m in args.float_targets_methods) for m in args.methods}
+    runs = [Run("compound", m, r, args.iters if m == "signround" else None, change) for m in args.methods
+            if (model, m) not in args.skip for r in args.rotations if r == "none" or m in args.rotated_methods
+            for change in changes[m]]
     for peer in args.peers:
         if peer == "autoround":
             runs.append(Run("autoround", "signround", iters=args.iters))
@@ -290,8 +300,7 @@ def held_out_sets(tokenizer, args) -> dict:
 
 def row(run: Run, result: dict, defaults: bool) -> list[str]:
     """A table row: who and how, cost, then fidelity (KL, top-1) before perplexity."""
-    who = [run.setting] if defaults else [run.tool, run.method + (f" ({run.iters} iters)" if run.iters is not None
-                                                                  else ""), run.rotate]
+    who = [run.setting] if defaults else [run.tool, run.label, run.rotate]
     cost = [f"{result['seconds']:.0f}" if "seconds" in result else "–",
             f"{result['peak_rss_mib']:.0f}" if "peak_rss_mib" in result else "–"]
     if "failed" in result:
@@ -316,7 +325,7 @@ def findings(model: str, precision: str, rows: list[tuple[Run, dict]], iters: in
     run, best = min(mine, key=lambda item: item[1]["scores"]["sharegpt"]["kl"])
     s, u = best["scores"]["sharegpt"], best["scores"]["unlike"]
     ratio, unlike_ratio = s["perplexity"] / s["base_perplexity"], u["perplexity"] / u["base_perplexity"]
-    line = (f"- {model} {precision}: compound's lowest KL is {run.method} (rotate {run.rotate}), KL {s['kl']:.4f}, "
+    line = (f"- {model} {precision}: compound's lowest KL is {run.label} (rotate {run.rotate}), KL {s['kl']:.4f}, "
             f"perplexity ×{ratio:.3f} of float (×{unlike_ratio:.3f} on code/non-English)")
     goal = GOALS.get((model, precision))
     if goal:
@@ -355,6 +364,8 @@ def main() -> None:
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help="bits and group size: w4g64, w3g64, w4g128")
     parser.add_argument("--methods", default=",".join(METHODS), help="compound's methods (and the peers' GPTQ / AWQ)")
     parser.add_argument("--rotations", default="none,hadamard", help="compound's --rotate values")
+    parser.add_argument("--float-targets-methods", default="", help="the methods also run with GPTQ's "
+                        "--float-targets (gptq, awq+gptq)")
     parser.add_argument("--rotated-methods", default=",".join(METHODS), help="the methods also run with each "
                         "rotation other than none (default: every method)")
     parser.add_argument("--peers", default=",".join(PEERS))
@@ -381,6 +392,8 @@ def main() -> None:
     args.methods = parse_list(args.methods, METHODS, "--methods")
     args.rotations = parse_list(args.rotations, ROTATIONS, "--rotations")
     args.rotated_methods = parse_list(args.rotated_methods, METHODS, "--rotated-methods")
+    args.float_targets_methods = parse_list(args.float_targets_methods, ("gptq", "awq+gptq"),
+                                            "--float-targets-methods")
     args.peers = parse_list(args.peers, PEERS, "--peers")
     args.skip = parse_skips(args.skip)
     args.default_samples = [int(n) for n in args.default_samples.split(",") if n]

@@ -41,9 +41,10 @@ def test_streamed_gptq_estimate_by_hand(skeleton):
 def test_learned_rounding_and_saved_layers_by_hand(skeleton):
     got = memory.estimate(skeleton, SignRoundConfig(group_size=32), 16, 32, streamed=True).parts
     forward = 8 * 32 * (3 * 128 + 2 * 4 * 32) * 4 + 3 * 8192 * 4
-    # the float stream (the layer's inputs and outputs): 2 × samples × seq_len × hidden; the layer's linear weights
-    # (q, o 4096; k, v 2048; gate, up, down 8192) × 8
-    assert got["learned rounding"] == (2 * 16 * 32 * 64 + 8 * 36864) * 4 + 2 * forward
+    # the float stream (the layer's inputs and outputs): 2 × samples × seq_len × hidden
+    assert got["float stream"] == 2 * 16 * 32 * 64 * 4 and "float inputs" not in got
+    # the layer's linear weights (q, o 4096; k, v 2048; gate, up, down 8192) × 8
+    assert got["learned rounding"] == 8 * 36864 * 4 + 2 * forward
     # the checkpoint: packed linears, every other value in float16, extras; the saved layers: a byte per code of both
     # layers (73728), scale and zero in float32 per group of 32, the 4 norms of 64 in float32
     written = memory.disk_estimate(skeleton, RTNConfig(group_size=32), 0, 32, 2, offload=False)

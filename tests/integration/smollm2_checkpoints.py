@@ -4,7 +4,8 @@ session whichever modules use it.
 
 Two RTN W4 g64 quantizations, symmetric (GPTQ layout, with FP8 KV-cache scales) and asymmetric (AWQ layout), run
 side by side, and ``compound convert`` of each to compressed-tensors (conversions are bit-exact re-packs,
-tests/test_convert.py): four layouts from two quantizations.
+tests/test_convert.py): four layouts from two quantizations. Beside them a third, symmetric over the full code range
+(``--full-range``, GPTQ layout): scales negative wherever a group's largest-magnitude weight is positive.
 """
 
 from pathlib import Path
@@ -16,6 +17,7 @@ QUANTIZE = ["compound", "quantize", "--model", "smollm2-135m", "--method", "rtn"
 BUILDS = {  # name: the command that makes it ("{name}" stands for another checkpoint's directory)
     "gptq": [*QUANTIZE, "--sym", "--format", "gptq", "--kv-cache", "fp8", "--samples", "8", "--seq-len", "256"],
     "awq": [*QUANTIZE, "--asym"],
+    "gptq-full-range": [*QUANTIZE, "--sym", "--full-range", "--format", "gptq"],  # negative scales where max > 0
     "compressed-tensors-sym": ["compound", "convert", "--model", "{gptq}", "--format", "compressed-tensors"],
     "compressed-tensors-asym": ["compound", "convert", "--model", "{awq}", "--format", "compressed-tensors"],
 }
@@ -27,7 +29,7 @@ def smollm2_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """{name in BUILDS: checkpoint directory}."""
     root = tmp_path_factory.mktemp("smollm2-checkpoints")
     paths = {name: root / name for name in BUILDS}
-    for stage in (("gptq", "awq"), ("compressed-tensors-sym", "compressed-tensors-asym")):
+    for stage in (("gptq", "awq", "gptq-full-range"), ("compressed-tensors-sym", "compressed-tensors-asym")):
         run_side_by_side({name: [arg.format(**paths) for arg in BUILDS[name]] + ["--output", str(paths[name])]
                   for name in stage})
     return paths

@@ -5,7 +5,8 @@ checkpoint with one tensor missing. A compressed-tensors checkpoint with FP8 KV-
 FP8 KV cache, and must run with exactly those scales.
 
 Checkpoints: ``tests/integration/smollm2_checkpoints.py`` (RTN W4 g64, symmetric GPTQ with FP8 KV-cache scales and
-asymmetric AWQ, each also converted to compressed-tensors), shared with the other loaders' tests.
+asymmetric AWQ, each also converted to compressed-tensors, and symmetric GPTQ over the full code range, whose scales
+are negative where a group's extreme is positive), shared with the other loaders' tests.
 
 Needs the vLLM venv made by ``bash scripts/setup_vllm.sh`` (.venvs/vllm); vLLM runs there in a subprocess
 (tests/integration/vllm_nll.py), since it pins its own torch/transformers. One vLLM process per checkpoint: it scores
@@ -52,6 +53,7 @@ DROPPED = "model.layers.3.mlp.down_proj"  # + the layout's first suffix (qweight
 # name: (first suffix of a quantized linear, the quantization vLLM must report)
 CHECKPOINTS = {
     "gptq": ("qweight", ("gptq", "gptq_marlin", "auto_gptq")),
+    "gptq-full-range": ("qweight", ("gptq", "gptq_marlin", "auto_gptq")),  # negative scales
     "awq": ("qweight", ("awq", "awq_marlin", "auto_awq")),
     "compressed-tensors-sym": ("weight_packed", ("compressed-tensors",)),
     "compressed-tensors-asym": ("weight_packed", ("compressed-tensors",)),

@@ -107,3 +107,16 @@ def test_checkpoint_loads_to_the_in_memory_model(tmp_path, tiny_llama_dir, smol_
     assert (got - expected).norm() < 0.1 * (expected - float_logits).norm()
     ours, theirs = perplexity(loaded, windows).perplexity, perplexity(reference, windows).perplexity
     assert abs(ours - theirs) < 1e-3 * theirs
+
+
+def test_float_targets_read_the_float_model_in_awqs_scaled_basis():
+    """With ``float_targets`` the float model's inputs are captured after AWQ folded its scales (the basis GPTQ's
+    Hessians are in): the quantized salient model ends closer to the float one on held-out tokens (the last layer's
+    relative output error 0.129 against 0.157 when written)."""
+    errors = {}
+    for float_targets in (False, True):
+        model, reference = salient_model(), salient_model()
+        config = AWQGPTQConfig(group_size=GROUP, bits=3, float_targets=float_targets)
+        quantize_layers(model, config, driver_for(config), calibration_tokens(0), lambda *a: None)
+        errors[float_targets] = layer_output_errors(model, reference, calibration_tokens(1, samples=8))[-1]
+    assert errors[True] < 0.9 * errors[False], errors

@@ -271,3 +271,22 @@ def test_one_factor_serves_every_linear_of_a_group(act_order):
         assert torch.equal(shared.codes, own.codes) and torch.equal(shared.scale, own.scale)
         assert torch.equal(shared.g_idx, own.g_idx) and shared_loss == own_loss
     assert torch.equal(factor.reversed_inverse, kept) and torch.equal(H, before)
+
+
+def test_float_target_weights_are_the_least_squares_fit_to_the_float_outputs():
+    """W* = W + W·D·(H + λI)⁻¹ is lstsq(X, X_f·Wᵀ) as λ → 0, and W itself where the inputs agree."""
+    from toolkit.quant.gptq import CorrectionAccumulator, float_target_weights
+
+    g = torch.Generator().manual_seed(4)
+    X = torch.randn(600, 16, generator=g, dtype=torch.float64)
+    X_float = X + 0.3 * torch.randn(600, 16, generator=g, dtype=torch.float64)
+    W = torch.randn(8, 16, generator=g)
+    H, D = HessianAccumulator(16), CorrectionAccumulator(16)
+    for x, x_float in zip(X.split(250), X_float.split(250)):  # batches of any size add up to the whole
+        H.add(x)
+        D.add(x_float, x)
+    torch.testing.assert_close(D.D.double(), 2 / 600 * (X_float - X).T @ X, rtol=1e-4, atol=1e-5)
+    fitted = float_target_weights(W, D.D, H.H, damp=1e-9)
+    best = torch.linalg.lstsq(X, X_float @ W.double().T).solution.T
+    torch.testing.assert_close(fitted.double(), best, rtol=1e-3, atol=1e-3)
+    assert torch.equal(float_target_weights(W, torch.zeros(16, 16), H.H), W)

@@ -25,9 +25,9 @@ Nothing non-finite gets through: each layer's weights are checked when it is loa
 driver returns them, and the activations after the embeddings and after every layer (``NonFiniteError``, naming the
 decoder layer and the tensor).
 
-A method that learns on the float model's outputs (``learns_rounding``) gets them from a second stream: the engine
-runs each layer on the float model's inputs before the driver changes its weights (``LayerSession.float_outputs``),
-and those outputs enter the next layer's ``reference``.
+A method that fits the float model's outputs (``follows_float_model``: SignRound, GPTQ's ``float_targets``) gets
+them from a second stream: the engine runs each layer on the float model's inputs before the driver changes its
+weights (``LayerSession.float_outputs``), and those outputs enter the next layer's ``reference``.
 
 A layer's inputs, its session and the replay of o_proj/down_proj for their parents live in ``toolkit.engine.session``.
 """
@@ -151,7 +151,7 @@ def quantize_layers(
         session = LayerSession(index, layer, inputs, config, linears, arch=arch_spec(model))
         everyone = config.moe_calibration == "all"
         saved = None if checkpoints is None else checkpoints.load(index)
-        if inputs is not None and config.learns_rounding:  # the float stream, while the weights are still float
+        if inputs is not None and config.follows_float_model:  # the float stream, while the weights are float
             session.float_outputs(None if scratch is None else DiskActivations(scratch / f"reference-{index}"))
         counts: dict[str, int] = {}
         if saved is not None:
@@ -189,7 +189,7 @@ def quantize_layers(
                 if isinstance(inputs.hidden, DiskActivations):
                     inputs.hidden.delete()
                 inputs.hidden = outputs
-                if config.learns_rounding:
+                if config.follows_float_model:
                     if isinstance(inputs.reference, DiskActivations):
                         inputs.reference.delete()
                     inputs.reference = session.float_outputs()

@@ -11,7 +11,8 @@ Counted from the model's shapes (a meta-device skeleton is enough), float32 as t
 | forward | one batch: 3 MLP-wide tensors, 2 attention-score tensors, and 3 copies of the largest linear | same |
 | replay | GPTQ true-sequential, activations in memory: o_proj's and down_proj's inputs (samples × seq_len × (hidden + the widest input)), kept so attention and the MLP are not recomputed | same |
 | statistics | a Hessian (``needs_hessian``, GPTQ): 3 × K² for the widest input K (the Hessian, then its permuted copy and Cholesky factor, then the factor and its inverse: two at a time, plus allocator slack); a scale search (``searches_scales``, AWQ): max_tokens × every input | same |
-| learned rounding | ``learns_rounding`` (SignRound): the float model's stream, its inputs and outputs of the layer (2 × samples × seq_len × hidden; one batch's with ``--offload-activations``), 8 copies of the layer's linear weights (offsets, their best copy and gradient, the fake-quantized weights and their intermediates), and the backward of one batch (twice the forward row) | same |
+| float stream | ``follows_float_model`` (SignRound, GPTQ's ``float_targets``): the float model's inputs and outputs of the layer, 2 × samples × seq_len × hidden (one batch with offload); with ``float_targets`` also the float model's input of every linear of the layer (samples × seq_len × the inputs' widths summed: an upper bound, linears sharing an input keep it once) | same |
+| learned rounding | ``learns_rounding`` (SignRound): 8 copies of the layer's linear weights (offsets, their best copy and gradient, the fake-quantized weights and their intermediates), and the backward of one batch (twice the forward row) | same |
 | rotation | — (``--rotate`` needs the model in memory) | ``--rotate``: the LM head it may untie (a tied one in a family whose residual stream it rotates), and 3 float64 copies of the largest matrix it folds at once |
 | output | one packed layer, twice (tensors and safetensors' serialized bytes) | the whole packed model, twice |
 
@@ -104,10 +105,12 @@ def estimate(
         parts["hessians"] = 3 * max(m.in_features for m in linears) ** 2 * FLOAT
     if config.searches_scales:
         parts["awq inputs"] = config.max_tokens * sum(m.in_features for m in linears) * FLOAT
+    if config.follows_float_model and samples:
+        parts["float stream"] = 2 * (batch if offload else samples) * seq_len * hidden * FLOAT
+    if config.follows_float_model and config.needs_hessian and samples:
+        parts["float inputs"] = samples * seq_len * sum(m.in_features for m in linears) * FLOAT
     if config.learns_rounding and samples:
-        held = batch if offload else samples
-        parts["learned rounding"] = (2 * held * seq_len * hidden + 8 * sum(m.weight.numel() for m in linears)) * FLOAT \
-            + 2 * parts["forward"]
+        parts["learned rounding"] = 8 * sum(m.weight.numel() for m in linears) * FLOAT + 2 * parts["forward"]
     if config.rotate != "none":  # the head it may untie, float64 copies of the largest matrix it folds at once
         folded = max(max(m.weight.numel() for m in linears), ROTATED_ROWS * hidden)
         parts["rotation"] = _untied_head(model, config) * FLOAT + 3 * folded * 8

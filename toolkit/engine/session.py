@@ -95,6 +95,32 @@ class LayerSession:
             self._float_outputs = outputs
         return self._float_outputs
 
+    def float_linear_inputs(self, names: Iterable[str]) -> dict[str, list[torch.Tensor]]:
+        """What each named linear reads in the float model, per calibration batch, flattened to [tokens, in_features]:
+        the layer as it is now (call it before any weight is rounded) run on the float model's inputs (as
+        ``float_outputs``). Each linear must run once per forward (not an expert's)."""
+        names = list(names)
+        hidden = self.inputs.reference if self.inputs.reference is not None else self.inputs.hidden
+        seen: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+
+        def make_hook(name):
+            def hook(module, args):
+                seen[name].append(args[0].reshape(-1, args[0].shape[-1]))
+            return hook
+
+        handles = [self.layer.get_submodule(n).register_forward_pre_hook(make_hook(n)) for n in names]
+        try:
+            with torch.no_grad():
+                for b, kwargs in enumerate(self.inputs.kwargs):
+                    self.layer(hidden[b], **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        twice = [name for name, xs in seen.items() if len(xs) != len(self.inputs.kwargs)]
+        if twice:
+            raise RuntimeError(f"{', '.join(twice)} of decoder layer {self.index} did not run once per batch")
+        return seen
+
     def rtn_sparse(self) -> dict[str, QuantizedWeight]:
         """Round the ``sparse`` linears to nearest, write their weights back, and return them."""
         cfg, results = self.config, {}

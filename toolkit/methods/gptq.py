@@ -11,6 +11,11 @@ down_proj are kept as they are collected, so the later passes and the engine's f
 MLP's outputs from those linears alone (``LayerSession`` replay). Without it, one pass collects every Hessian from
 the float layer. Under torchrun each rank accumulates over its share of the calibration batches and the Hessians are
 averaged over ranks (weighted by tokens) before factoring, so every rank quantizes with the whole batch's Hessian.
+
+``float_targets`` (GPTAQ's objective): before anything is rounded, the layer runs on the float model's inputs
+(``LayerSession.float_linear_inputs``) and each group keeps what its linears read there; the Hessian pass then also
+accumulates the correction D between those inputs and the quantized model's, and GPTQ fits W* =
+``float_target_weights`` instead of W. Experts keep W: the float model routes other tokens to them.
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ import torch
 
 from toolkit.engine.distributed import mean_over_ranks
 from toolkit.engine.session import ActivationError, LayerSession
+from toolkit.experts import expert_index
 from toolkit.methods import driver
 from toolkit.quant.configs import GPTQConfig
 from toolkit.quant.finite import all_finite
-from toolkit.quant.gptq import HessianAccumulator, HessianFactor, gptq_factored, hessian_factor
+from toolkit.quant.gptq import (CorrectionAccumulator, HessianAccumulator, HessianFactor, float_target_weights,
+                                gptq_factored, hessian_factor)
 from toolkit.quant.primitives import QuantizedWeight
 
 ERROR_MEASURE = "Hessian-weighted squared error (GPTQ loss)"  # what ``session.errors`` gets, here and in awq_gptq
@@ -32,7 +39,6 @@ ERROR_MEASURE = "Hessian-weighted squared error (GPTQ loss)"  # what ``session.e
 def quantize_layer(session: LayerSession) -> dict[str, QuantizedWeight]:
     """Quantize every linear of the layer with GPTQ; ``session.errors`` gets each one's GPTQ loss. The linears of
     experts routed too few tokens (``session.sparse``) are rounded to nearest."""
-    results = session.rtn_sparse()
     groups = [group for group in session.groups if not session.sparse.intersection(group)]
     missing = set(session.linears) - session.sparse - {name for group in groups for name in group}
     if missing:
@@ -41,25 +47,39 @@ def quantize_layer(session: LayerSession) -> dict[str, QuantizedWeight]:
             f"data, so GPTQ has no Hessian for them; add them to skip"
         )
     cfg = session.config
-    hessians = {} if cfg.true_sequential else _hessians(session, groups)
+    # before any weight is rounded: what each group reads in the float model (experts: routed differently there)
+    float_inputs = session.float_linear_inputs(g[0] for g in groups if expert_index(g[0]) is None) \
+        if cfg.float_targets else {}
+    results = session.rtn_sparse()
+    hessians, corrections = ({}, {}) if cfg.true_sequential else _hessians(session, groups, float_inputs)
     for group in groups:
         if cfg.true_sequential:
             # everything before this group is final, so its replayable inputs can be kept for the later passes
-            hessians = _hessians(session, [group], keep=True)
+            hessians, corrections = _hessians(session, [group], float_inputs, keep=True)
+            float_inputs.pop(group[0], None)  # read once
+        correction = corrections.get(group[0])
+        targets = {} if correction is None else {
+            name: float_target_weights(session.linears[name].weight.data, correction, hessians[group[0]], cfg.damp)
+            for name in group}
         # popped straight into the call, so that the factorization holds the only reference and frees the Hessian
         factor = hessian_factor(hessians.pop(group[0]), cfg.damp, cfg.act_order)
-        results.update({name: _quantize_linear(session, name, factor) for name in group})
+        results.update({name: _quantize_linear(session, name, factor, targets.get(name)) for name in group})
         del factor
     return results
 
 
-def _hessians(session: LayerSession, groups: list[list[str]], keep: bool = False) -> dict[str, torch.Tensor]:
+def _hessians(session: LayerSession, groups: list[list[str]], float_inputs: dict[str, list[torch.Tensor]],
+              keep: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One Hessian [K, K] per group of linears sharing an input, keyed by the group's first linear, in one pass
-    (``keep``: as ``LayerSession.collect_linear_inputs``)."""
-    accumulators = {}
+    (``keep``: as ``LayerSession.collect_linear_inputs``); and for each group in ``float_inputs`` (the float model's
+    inputs of its linears, per batch) the correction D of ``CorrectionAccumulator``."""
+    accumulators, correcting, batches = {}, {}, {}
     for group in groups:
         weight = session.linears[group[0]].weight
         accumulators[group[0]] = HessianAccumulator(weight.shape[1], device=weight.device)
+        if group[0] in float_inputs:
+            correcting[group[0]] = CorrectionAccumulator(weight.shape[1], device=weight.device)
+            batches[group[0]] = 0
 
     def on_input(name: str, X: torch.Tensor) -> None:
         if not all_finite(X):
@@ -68,8 +88,12 @@ def _hessians(session: LayerSession, groups: list[list[str]], keep: bool = False
                 f"dtype overflows on the calibration data (try --dtype float32, or check the checkpoint)"
             )
         accumulators[name].add(X, session.row_weights(name))
+        if name in correcting:  # each linear runs once per batch, so its calls count the batches
+            correcting[name].add(float_inputs[name][batches[name]], X)
+            batches[name] += 1
 
     session.collect_linear_inputs(accumulators, on_input, keep=keep)
+    corrections = {name: mean_over_ranks(acc.D, acc.tokens)[0] for name, acc in correcting.items()}
     hessians = {}
     for name, acc in accumulators.items():
         # under torchrun each rank saw its share of the batches
@@ -79,15 +103,18 @@ def _hessians(session: LayerSession, groups: list[list[str]], keep: bool = False
         if not all_finite(hessians[name]):  # finite inputs whose products overflow float32
             raise ActivationError(f"the Hessian of {name} in decoder layer {session.index} is NaN or infinite: its "
                                   f"calibration activations overflow float32 (check the model or the --dataset)")
-    return hessians
+    return hessians, corrections
 
 
-def _quantize_linear(session: LayerSession, name: str, factor: HessianFactor) -> QuantizedWeight:
-    """GPTQ one linear, write its dequantized weight back at once (later groups must see it), record its loss."""
+def _quantize_linear(session: LayerSession, name: str, factor: HessianFactor,
+                     target: torch.Tensor | None = None) -> QuantizedWeight:
+    """GPTQ one linear towards ``target`` (default: its weight), write its dequantized weight back at once (later
+    groups must see it), record its loss."""
     cfg = session.config
     linear = session.linears[name]
     qweight, loss = gptq_factored(
-        linear.weight.data, factor, cfg.bits, cfg.group_size, cfg.sym, block_size=cfg.block_size,
+        linear.weight.data if target is None else target, factor, cfg.bits, cfg.group_size, cfg.sym,
+        block_size=cfg.block_size,
         static_groups=cfg.static_groups, mse_clip=cfg.mse_clip, rule=cfg.scale_rule,
     )
     qweight.bias = linear.bias

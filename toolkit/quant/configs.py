@@ -92,6 +92,12 @@ class WeightQuantConfig:
     data_parallel: ClassVar[bool] = False
     learns_rounding: ClassVar[bool] = False
 
+    @property
+    def follows_float_model(self) -> bool:
+        """Whether the engine carries the float model's activations beside the quantized ones for this method
+        (``toolkit.engine.loop``): a learner's targets (``learns_rounding``), GPTQ's ``float_targets``."""
+        return self.learns_rounding
+
     def __post_init__(self):
         if not 2 <= self.bits <= 8:
             raise ConfigError(f"bits must be between 2 and 8, got {self.bits}")
@@ -197,6 +203,8 @@ class GPTQConfig(WeightQuantConfig):
     column order (vLLM refuses desc_act with groups otherwise). mse_clip: search each group's range for the lowest
     squared error instead of min/max.
     true_sequential: quantize q/k/v, then o, then gate/up, then down, each seeing the already-quantized ones.
+    float_targets: fit W* (``toolkit.quant.gptq.float_target_weights``) instead of W, so each linear also makes up
+    for the error of everything quantized before it (the engine carries the float model's activations for it).
     """
 
     damp: float = option(0.01, "GPTQ: dampening relative to the mean Hessian diagonal.")
@@ -205,6 +213,9 @@ class GPTQConfig(WeightQuantConfig):
     mse_clip: bool = option(False, "GPTQ: search each group's range for the lowest squared error instead of min/max.")
     true_sequential: bool = option(True, "GPTQ: quantize q/k/v, then o, then gate/up, then down, each seeing the "
                                          "already-quantized ones.")
+    float_targets: bool = option(False, "GPTQ: fit each linear's output on the quantized model's inputs to the float "
+                                        "model's output (GPTAQ's objective) instead of to its float weights' output on "
+                                        "the same inputs.", flag="--float-targets/--no-float-targets")
 
     method = "gptq"
     needs_hessian = True
@@ -217,6 +228,11 @@ class GPTQConfig(WeightQuantConfig):
             raise ConfigError(f"damp must be in (0, 1), got {self.damp}")
         if self.block_size < 1:
             raise ConfigError(f"block_size must be positive, got {self.block_size}")
+
+    @property
+    def follows_float_model(self) -> bool:
+        """With ``float_targets``: GPTQ reads the float model's inputs of each linear."""
+        return self.float_targets
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,38 @@ class HessianAccumulator:
         return self._sums
 
 
+class CorrectionAccumulator:
+    """D = 2/n Σ (X_f − X)ᵀX over the n tokens seen so far, float32 [K, K]: X the inputs a linear reads on the
+    quantized model's activations, X_f what it reads on the float model's, token for token (a running mean on
+    ``HessianAccumulator``'s scale). With H, ``float_target_weights`` turns W into the weights GPTQ should fit."""
+
+    def __init__(self, in_features: int, device: torch.device | str | None = None):
+        self.D = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
+        self.tokens = 0
+
+    def add(self, X_float: torch.Tensor, X: torch.Tensor) -> None:
+        """Fold in one batch: the float model's inputs and the quantized model's, both [..., K], the same tokens."""
+        X = X.reshape(-1, X.shape[-1]).float()
+        X_float = X_float.reshape(X.shape).float()
+        total = self.tokens + X.shape[0]
+        if total == self.tokens:
+            return
+        self.D.mul_(self.tokens / total).addmm_((X_float - X).T, X, alpha=2 / total)
+        self.tokens = total
+
+
+def float_target_weights(W: torch.Tensor, D: torch.Tensor, H: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
+    """W* = W + W·D·(H + λI)⁻¹ [N, K] float32: the least-squares weights whose outputs on the quantized model's inputs
+    are closest to W's on the float model's (GPTAQ's objective: Li et al. 2025, GPTQModel's ``gptaq``). Since ‖X·Qᵀ − X_f·Wᵀ‖² =
+    ‖X·(Q − W*)ᵀ‖² + a constant, GPTQ on W* minimises it: only the weights it fits change. λ = ``damp`` × mean
+    diag(H), as GPTQ dampens; W* = W where the two inputs agree (D = 0)."""
+    damped = H.float().clone()
+    diagonal = damped.diagonal()
+    diagonal.copy_(torch.where(diagonal == 0, torch.ones_like(diagonal), diagonal))
+    diagonal.add_(damp * diagonal.mean())
+    return W.float() + torch.linalg.solve(damped, (W.float() @ D).T).T  # H symmetric: (W·D·H⁻¹)ᵀ = H⁻¹·(W·D)ᵀ
+
+
 @dataclass
 class HessianFactor:
     """What GPTQ needs of a Hessian, shared by every linear that reads the same input (q/k/v; gate/up).
