@@ -150,7 +150,7 @@ def frontier_runs(args, model: str) -> list[Run]:
     changes = {m: [()] + [(("float_targets", True),)] * (m in args.float_targets_methods) for m in args.methods}
     runs = [Run("compound", m, r, args.iters if m == "signround" else None, change) for m in args.methods
             if (model, m) not in args.skip for r in args.rotations if r == "none" or m in args.rotated_methods
-            for change in changes[m]]
+            for change in (changes[m] if r == "none" else [()])]
     for peer in args.peers:
         if peer == "autoround":
             runs.append(Run("autoround", "signround", iters=args.iters))
@@ -364,8 +364,8 @@ def main() -> None:
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help="bits and group size: w4g64, w3g64, w4g128")
     parser.add_argument("--methods", default=",".join(METHODS), help="compound's methods (and the peers' GPTQ / AWQ)")
     parser.add_argument("--rotations", default="none,hadamard", help="compound's --rotate values")
-    parser.add_argument("--float-targets-methods", default="", help="the methods also run with GPTQ's "
-                        "--float-targets (gptq, awq+gptq)")
+    parser.add_argument("--float-targets-methods", default="", help="the methods also run unrotated with "
+                        "GPTQ's --float-targets (gptq, awq+gptq)")
     parser.add_argument("--rotated-methods", default=",".join(METHODS), help="the methods also run with each "
                         "rotation other than none (default: every method)")
     parser.add_argument("--peers", default=",".join(PEERS))
