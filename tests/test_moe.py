@@ -142,7 +142,7 @@ def test_an_experts_gptq_hessian_weighs_each_token_by_its_routing_weight(mode):
     def driver(session):
         if session.index == 0:
             name = "mlp.experts.1.w1"
-            got = gptq._hessians(session, [[name]])[name]
+            got = gptq._hessians(session, [[name]], {})[0][name]
             block_inputs = []
             session.collect(["mlp"], lambda n, args, kwargs: block_inputs.append(args[0].reshape(-1, 64)))
             x = torch.cat(block_inputs)
