@@ -12,15 +12,16 @@ Steps for one decoder layer (the math is ``toolkit.quant.signround``):
      layer 2 kept round-to-nearest's codes).
   While learning, the layer runs under bfloat16 autocast (``train_dtype``, AutoRound's CPU default too): 1.6× faster
   per iteration on SmolLM2-135M (AVX-512 BF16), the weights, the learned state and the loss in float32.
-  3. Measure every batch's output error (in float32) with round-to-nearest's codes (V = 0, α = β = 1) before learning, and with the
-     learned ones after: ``session.errors`` gets the ratio of their sums for every linear of the layer.
+  3. Measure every batch's output error (in float32) with round-to-nearest's codes (V = 0, α = β = 1) before
+     learning, and with the learned ones after: ``session.errors`` gets the ratio of their sums for every linear
+     of the layer.
 
 The layer learns on the engine's inputs, the outputs of the layers already quantized, towards the float model's
 outputs (AutoRound's default, ``enable_quanted_input``): the rounding of each layer also makes up for the error the
 layers before it left. Targets from the float layer on the quantized inputs instead leave that error to grow layer
 by layer (SmolLM2-135M W4 g64, 50 iterations: KL to the float model 0.125 with them, 0.098 with the float model's,
-AutoRound's own 0.106; BENCHMARKS.md, "Quality at the frontier"). Experts routed too few tokens (``session.sparse``) are rounded to nearest
-and stay fixed while the others learn.
+AutoRound's own 0.106; BENCHMARKS.md, "Quality at the frontier"). Experts routed too few tokens
+(``session.sparse``) are rounded to nearest and stay fixed while the others learn.
 """
 
 from __future__ import annotations
