@@ -12,16 +12,18 @@ that drifts toward it), on ShareGPT's eval split and on text unlike it (the code
 
     python benchmarks/frontier.py [--models smollm2-135m,gemma3-270m] [--precisions w4g64,w3g64,w4g128]
         [--methods rtn,gptq,awq,awq+gptq,signround] [--rotations none,hadamard] [--rotated-methods rtn,...]
-        [--float-targets-methods gptq,awq+gptq]
-        [--peers autoround,autoround-iters0,gptqmodel,llmcompressor,llmcompressor-hadamard,
+        [--float-targets-methods gptq,awq+gptq] [--signround-batch-sizes 4]
+        [--peers autoround,autoround-defaults,autoround-iters0,gptqmodel,llmcompressor,llmcompressor-hadamard,
                  llmcompressor-random-hadamard]
         [--calib-samples 128] [--seq-len 512] [--iters 200] [--grid asym|sym|full] [--reuse] [--no-write]
     python benchmarks/frontier.py --defaults [--default-samples 32,128,512] ...   # compound's defaults, measured
 
 ``--grid sym`` and ``--grid full`` write a section each (compound stores 3-bit weights only symmetric, in the GPTQ
 layout, so its asymmetric W3 rows fail with that message; AutoRound's own default grid is symmetric over the full code
-range). ``full`` is compound's ``--full-range``; the peers get their symmetric grid either way. A failed or missing row is
-rerun by the same command with ``--reuse``: every finished run and score is taken from the cache, the rest is run.
+range). ``full`` is compound's ``--full-range``; the peers get their symmetric grid either way. ``autoround`` runs
+AutoRound at ``--iters``, ``autoround-defaults`` at its own default 200, whatever ``--iters`` is. A failed or missing
+row is rerun by the same command with ``--reuse``: every finished run and score is taken from the cache, the rest is
+run.
 
 ``--defaults`` measures compound alone, one setting at a time from each method's defaults: the grid (sym / asym),
 act-order (on / off, GPTQ's), calibration samples and group size, at the first precision's bits, on each model; it
@@ -50,8 +52,9 @@ VENVS = ROOT / "benchmarks" / ".venvs"
 MODELS = ("smollm2-135m", "gemma3-270m")
 PRECISIONS = {"w4g64": (4, 64), "w3g64": (3, 64), "w4g128": (4, 128)}
 METHODS = ("rtn", "gptq", "awq", "awq+gptq", "signround")
-PEERS = ("autoround", "autoround-iters0", "gptqmodel", "llmcompressor", "llmcompressor-hadamard",
+PEERS = ("autoround", "autoround-defaults", "autoround-iters0", "gptqmodel", "llmcompressor", "llmcompressor-hadamard",
          "llmcompressor-random-hadamard")
+AUTOROUND_DEFAULT_ITERS = 200  # AutoRound 0.16's steps per block at its defaults (``autoround-defaults``)
 SPINQUANT = {"llmcompressor-hadamard": "hadamard", "llmcompressor-random-hadamard": "random-hadamard"}
 UNLIKE = ("code", "non-english")  # the eval slices least like ShareGPT's prose
 GOALS = {("smollm2-135m", "w4g64"): 1.05, ("gemma3-270m", "w4g64"): 1.08}  # issue #38: perplexity within × of float
@@ -62,8 +65,9 @@ DEFAULTS_TITLE = "Defaults from measurement"
 @dataclass(frozen=True)
 class Run:
     """One row: a tool's method on one model at one precision. ``iters``: learned rounding's steps (SignRound,
-    AutoRound); ``change``: in --defaults mode, the one setting changed from the method's defaults (field → value;
-    ``samples`` is the calibration's)."""
+    AutoRound); ``change``: the one setting changed from the method's defaults (field → value; ``samples`` is the
+    calibration's, ``batch_size`` the quantize run's, ``RUN_SETTINGS``): in --defaults mode, and for the float-targets
+    and batch-size variants of the frontier."""
 
     tool: str
     method: str
@@ -106,7 +110,9 @@ SETTING_LABELS = {  # --defaults: how the table names each changed setting
     "samples": lambda n: f"{n} calibration samples",
     "group_size": lambda g: f"group size {g}",
     "float_targets": lambda on: "float targets" if on else "own weights",
+    "batch_size": lambda n: f"batch {n}",
 }
+RUN_SETTINGS = ("samples", "batch_size")  # changes of the run (calibration, QuantizeSettings), not of the method config
 
 
 def parse_list(text: str, choices: tuple[str, ...], flag: str) -> list[str]:
@@ -119,13 +125,24 @@ def parse_list(text: str, choices: tuple[str, ...], flag: str) -> list[str]:
     return values
 
 
-def parse_skips(text: str) -> set[tuple[str, str]]:
-    """``--skip``'s MODEL:METHOD pairs; exit 2 on an unknown model or method."""
-    pairs = [tuple(item.split(":", 1)) if ":" in item else (item, "") for item in text.split(",") if item]
-    bad = [":".join(p) for p in pairs if p[0] not in MODELS or p[1] not in METHODS]
+def parse_counts(text: str, flag: str) -> list[int]:
+    """A comma-separated option's positive integers (exit 2 naming the flag otherwise)."""
+    values = [v for v in text.split(",") if v]
+    bad = [v for v in values if not v.isdigit() or int(v) < 1]
     if bad:
-        print(f"error: --skip: unknown {', '.join(bad)}; write MODEL:METHOD with a model of {', '.join(MODELS)} "
-              f"and a method of {', '.join(METHODS)}", file=sys.stderr)
+        print(f"error: {flag}: {', '.join(bad)} is not a positive integer", file=sys.stderr)
+        raise SystemExit(2)
+    return [int(v) for v in values]
+
+
+def parse_skips(text: str) -> set[tuple[str, str]]:
+    """``--skip``'s MODEL:METHOD and MODEL:PEER pairs; exit 2 on an unknown model, method or peer."""
+    pairs = [tuple(item.split(":", 1)) if ":" in item else (item, "") for item in text.split(",") if item]
+    bad = [":".join(p) for p in pairs if p[0] not in MODELS or p[1] not in (*METHODS, *PEERS)]
+    if bad:
+        print(f"error: --skip: unknown {', '.join(bad)}; write MODEL:METHOD or MODEL:PEER with a model of "
+              f"{', '.join(MODELS)} and a method of {', '.join(METHODS)} or a peer of {', '.join(PEERS)}",
+              file=sys.stderr)
         raise SystemExit(2)
     return set(pairs)
 
@@ -145,22 +162,25 @@ def skipped(float_dir: Path, group_size: int) -> str | None:
 
 
 def frontier_runs(args, model: str) -> list[Run]:
-    """compound's methods × rotations (less ``--skip``'s on ``model``), then the peers' runs, as the options select
-    them."""
-    changes = {m: [()] + [(("float_targets", True),)] * (m in args.float_targets_methods) for m in args.methods}
+    """compound's methods × rotations, then the peers' runs, as the options select them, less ``--skip``'s methods
+    and peers on ``model``."""
+    changes = {m: [()] + [(("float_targets", True),)] * (m in args.float_targets_methods)
+               + [(("batch_size", n),) for n in args.signround_batch_sizes] * (m == "signround") for m in args.methods}
     runs = [Run("compound", m, r, args.iters if m == "signround" else None, change) for m in args.methods
             if (model, m) not in args.skip for r in args.rotations if r == "none" or m in args.rotated_methods
             for change in (changes[m] if r == "none" else [()])]
-    for peer in args.peers:
+    for peer in (p for p in args.peers if (model, p) not in args.skip):
         if peer == "autoround":
             runs.append(Run("autoround", "signround", iters=args.iters))
+        elif peer == "autoround-defaults":
+            runs.append(Run("autoround", "signround", iters=AUTOROUND_DEFAULT_ITERS))
         elif peer == "autoround-iters0":
             runs.append(Run("autoround", "signround", iters=0))
         elif peer in SPINQUANT:  # SpinQuant's R1+R2 rotations, then GPTQ
             runs += [Run("llmcompressor", "gptq", SPINQUANT[peer])] if "gptq" in args.methods else []
         else:
             runs += [Run(peer, m) for m in ("gptq", "awq") if m in args.methods]
-    return runs
+    return list(dict.fromkeys(runs))  # autoround and autoround-defaults are one run when --iters is the default
 
 
 def defaults_runs(args, float_dir: Path, bits: int) -> list[Run]:
@@ -195,7 +215,7 @@ def compound_config(run: Run, bits: int, group_size: int | None, grid: str | Non
     sym = None if grid is None else grid != "asym"
     options = {"bits": bits, "group_size": group_size, "sym": sym, "full_range": grid == "full", "rotate": run.rotate,
                "iters": run.iters}
-    options.update((k, v) for k, v in run.change if k != "samples")
+    options.update((k, v) for k, v in run.change if k not in RUN_SETTINGS)
     return make_config(run.method, **options)
 
 
@@ -227,7 +247,7 @@ def run_one(run: Run, args, model: str, float_dir: Path, precision: tuple[int, i
     from quantize_vs_peers import recorded, timed
 
     from toolkit.engine.threads import ThreadSettings
-    from toolkit.quantize import CalibrationSpec
+    from toolkit.quantize import CalibrationSpec, QuantizeSettings
 
     out, log = runs_dir / run.name, runs_dir / f"{run.name}.log"
     if run.tool == "compound":
@@ -237,6 +257,7 @@ def run_one(run: Run, args, model: str, float_dir: Path, precision: tuple[int, i
         done = out / "config.json"  # written last, by the atomic rename of the checkpoint
         command = quantize_argv(compound_config(run, bits, group_size, grid),
                                 CalibrationSpec(samples=samples, seq_len=args.seq_len),
+                                QuantizeSettings(**{k: v for k, v in run.change if k == "batch_size"}),
                                 ThreadSettings(threads=str(args.threads)), model=float_dir, output=out)
     else:
         bits, group_size = precision
@@ -315,9 +336,9 @@ COLUMNS = ["wall s", "peak RSS MiB", "KL", "top-1", "KL code/non-En", "top-1 cod
            "Δ vs float", "code/non-En ppl vs float"]
 
 
-def findings(model: str, precision: str, rows: list[tuple[Run, dict]], iters: int) -> list[str]:
-    """The issue's goals read off one table: compound's lowest-KL run against AutoRound (at ``iters``) in KL,
-    perplexity against float (on both held-out sets) and wall time."""
+def findings(model: str, precision: str, rows: list[tuple[Run, dict]]) -> list[str]:
+    """The issue's goals read off one table: compound's lowest-KL run against AutoRound (each of its runs that
+    learned) in KL, perplexity against float (on both held-out sets) and wall time."""
     ok = [(run, r) for run, r in rows if "scores" in r]
     mine = [(run, r) for run, r in ok if run.tool == "compound"]
     if not mine:
@@ -331,12 +352,14 @@ def findings(model: str, precision: str, rows: list[tuple[Run, dict]], iters: in
     if goal:
         worst = max(ratio, unlike_ratio)
         line += f"; goal ×{goal:.2f}: {'met' if worst <= goal else f'missed by {worst - goal:.3f}'}"
-    peer = next((r for p, r in ok if p.tool == "autoround" and p.iters == iters), None)
-    if peer:
-        kl = peer["scores"]["sharegpt"]["kl"]
-        line += (f"; AutoRound ({iters} iters) KL {kl:.4f}: compound's is {'lower' if s['kl'] < kl else 'higher'} "
-                 f"by {abs(s['kl'] - kl) / kl:.1%}; wall {best['seconds']:.0f} s against AutoRound's "
-                 f"{peer['seconds']:.0f} s (×{best['seconds'] / peer['seconds']:.2f}, goal ≤ ×0.50)")
+    for peer, result in sorted(((p, r) for p, r in ok if p.tool == "autoround" and p.iters),
+                               key=lambda item: item[0].iters):
+        kl = result["scores"]["sharegpt"]["kl"]
+        default = ", its default" if peer.iters == AUTOROUND_DEFAULT_ITERS else ""
+        line += (f"; AutoRound ({peer.iters} iters{default}) KL {kl:.4f}: compound's is "
+                 f"{'lower' if s['kl'] < kl else 'higher'} by {abs(s['kl'] - kl) / kl:.1%}, its wall "
+                 f"{best['seconds']:.0f} s against AutoRound's {result['seconds']:.0f} s "
+                 f"(×{best['seconds'] / result['seconds']:.2f}, goal ≤ ×0.50)")
     return [line]
 
 
@@ -366,16 +389,19 @@ def main() -> None:
     parser.add_argument("--rotations", default="none,hadamard", help="compound's --rotate values")
     parser.add_argument("--float-targets-methods", default="", help="the methods also run unrotated with "
                         "GPTQ's --float-targets (gptq, awq+gptq)")
+    parser.add_argument("--signround-batch-sizes", default="", help="compound's SignRound also run unrotated with "
+                        "each of these calibration batch sizes (sequences per learning step; default 8, AutoRound's)")
     parser.add_argument("--rotated-methods", default=",".join(METHODS), help="the methods also run with each "
                         "rotation other than none (default: every method)")
     parser.add_argument("--peers", default=",".join(PEERS))
-    parser.add_argument("--skip", default="", help="MODEL:METHOD,...: compound's METHOD not run on MODEL "
-                        "(e.g. gemma3-270m:signround)")
+    parser.add_argument("--skip", default="", help="MODEL:METHOD or MODEL:PEER,...: compound's METHOD or the "
+                        "PEER not run on MODEL (e.g. gemma3-270m:signround,gemma3-270m:autoround-defaults)")
     parser.add_argument("--grid", default="asym", choices=tuple(GRIDS), help="the grid every tool gets")
     parser.add_argument("--calib-samples", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--iters", type=int, default=200, help="SignRound's and AutoRound's steps per block "
-                        "(200: both tools' default)")
+    parser.add_argument("--iters", type=int, default=AUTOROUND_DEFAULT_ITERS, help="SignRound's and AutoRound's "
+                        f"steps per block ({AUTOROUND_DEFAULT_ITERS}: both tools' default; the autoround-defaults peer "
+                        "runs AutoRound at it whatever this is)")
     parser.add_argument("--windows", type=int, default=80, help="ShareGPT held-out windows")
     parser.add_argument("--slice-windows", type=int, default=16, help="held-out windows per unlike slice "
                         "(code, non-English)")
@@ -396,7 +422,8 @@ def main() -> None:
                                             "--float-targets-methods")
     args.peers = parse_list(args.peers, PEERS, "--peers")
     args.skip = parse_skips(args.skip)
-    args.default_samples = [int(n) for n in args.default_samples.split(",") if n]
+    args.default_samples = parse_counts(args.default_samples, "--default-samples")
+    args.signround_batch_sizes = parse_counts(args.signround_batch_sizes, "--signround-batch-sizes")
     args.act_order = next(f.default for f in dataclasses.fields(GPTQConfig) if f.name == "act_order")
     args.defaults_bits = PRECISIONS[args.precisions[0]][0]
     report(args, {model: measure(model, args) for model in args.models})
@@ -466,7 +493,7 @@ def report(args, measured: dict) -> None:
                 lines += defaults_findings(model, rows)
             else:
                 parts.append(f"{heading}:\n\n" + markdown_table(who + COLUMNS, [row(run, r, False) for run, r in rows]))
-                lines += findings(model, key, rows, args.iters)
+                lines += findings(model, key, rows)
         parts[-1] += (f"\n\nHeld-out tokens scored on {model}: {tokens['sharegpt']} ShareGPT, {tokens['unlike']} "
                       "code/non-English.")
     threads = f"{args.threads} thread{'s' if args.threads != 1 else ''}"
@@ -477,7 +504,10 @@ def report(args, measured: dict) -> None:
                 f"windows each of its code and non-English slices (text unlike the calibration data). "
                 + ("Each method at its defaults, then one setting changed at a time." if defaults else
                    f"Grid: {GRIDS[args.grid]}; GPTQ act-order {'on' if args.act_order else 'off'} "
-                   f"(static groups) for every tool; SignRound and AutoRound {args.iters} iterations; llm-compressor's "
+                   f"(static groups) for every tool; SignRound and AutoRound {args.iters} iterations"
+                   + (f" (AutoRound also at its default {AUTOROUND_DEFAULT_ITERS})"
+                      if "autoround-defaults" in args.peers and args.iters != AUTOROUND_DEFAULT_ITERS else "")
+                   + "; llm-compressor's "
                    "rotation: SpinQuant R1+R2 with its Hadamard transform (deterministic: powers of two only) or "
                    "its random one.")
                 + " KL: mean KL(float ‖ quantized) per token in nats; Δ and the ratio: perplexity against the float "

@@ -135,3 +135,64 @@ def test_frontier_argv_for_signround_with_rotation_parses_back(grid):
     assert make_config(options["method"], **flags.method_options(METHODS.values(), options)) == config
     assert config.rotate == "hadamard" and config.iters == 2 and config.bits == 3
     assert (config.sym, config.full_range) == ((False, False) if grid == "asym" else (True, True))
+
+
+@pytest.mark.parametrize("iters, autoround_iters", [(50, [50, 200]), (200, [200])])
+def test_frontier_runs_autoround_at_its_defaults_once_whatever_the_iterations(iters, autoround_iters):
+    import argparse
+
+    frontier = load_frontier()
+    args = argparse.Namespace(methods=["gptq", "signround"], float_targets_methods=[], rotations=["none"],
+                              rotated_methods=[], signround_batch_sizes=[4], skip=set(), iters=iters,
+                              peers=["autoround", "autoround-defaults", "autoround-iters0"])
+    runs = frontier.frontier_runs(args, "smollm2-135m")
+    assert [run.iters for run in runs if run.tool == "autoround"] == [*autoround_iters, 0]
+    assert [run.name for run in runs if run.tool == "compound"] == [
+        "compound_gptq", f"compound_signround_iters{iters}", f"compound_signround_iters{iters}_batch-size-4"]
+    args.skip = {("smollm2-135m", "autoround-iters0"), ("smollm2-135m", "signround")}
+    runs = frontier.frontier_runs(args, "smollm2-135m")
+    assert [run.name for run in runs] == ["compound_gptq", *(f"autoround_signround_iters{n}" for n in autoround_iters)]
+    assert frontier.parse_skips("gemma3-270m:autoround-defaults") == {("gemma3-270m", "autoround-defaults")}
+
+
+def test_frontier_argv_for_a_signround_batch_size_parses_back():
+    frontier = load_frontier()
+    run = frontier.Run("compound", "signround", iters=50, change=(("batch_size", 4),))
+    config = frontier.compound_config(run, bits=4, group_size=64, grid="asym")
+    argv = load_commands().quantize_argv(config, CalibrationSpec(samples=32), QuantizeSettings(batch_size=4),
+                                         model="m", output="o")
+    options = parsed(argv)
+    assert options["batch_size"] == 4 and options["samples"] == 32
+    assert make_config(options["method"], **flags.method_options(METHODS.values(), options)) == config
+    assert run.label == "signround (50 iters) (batch 4)"
+
+
+def load_gguf_benchmark():
+    spec = importlib.util.spec_from_file_location("benchmark_llamacpp_gguf", ROOT / "benchmarks" / "llamacpp_gguf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gguf_benchmark_reads_the_linears_types_and_bits_per_weight_from_the_file(tmp_path):
+    """A GGUF file written by the gguf package with one K-quant linear, one Q8_0 fallback of width 64, a norm and the
+    embeddings: only the two linears count, each at its type's bytes (Q4_K: 144 per 256 weights, Q8_0: 34 per 32)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    path = tmp_path / "mix.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    rows_bytes = {"blk.0.ffn_down.weight": ("Q4_K", 2, 144), "blk.0.attn_q.weight": ("Q8_0", 3, 2 * 34)}
+    for name, (type_name, rows, row_bytes) in rows_bytes.items():  # 256 and 64 weights per row
+        writer.add_tensor(name, np.zeros((rows, row_bytes), dtype=np.uint8), raw_dtype=GGMLQuantizationType[type_name])
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(64, dtype=np.float32))
+    writer.add_tensor("token_embd.weight", np.ones((4, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    types, bits, fallback_widths = load_gguf_benchmark().linear_types(path)
+    assert types == {"Q4_K": 1, "Q8_0": 1}
+    assert bits == pytest.approx(8 * (2 * 144 + 3 * 2 * 34) / (2 * 256 + 3 * 64))
+    assert fallback_widths == {64: 1}
