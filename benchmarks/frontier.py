@@ -12,7 +12,7 @@ that drifts toward it), on ShareGPT's eval split and on text unlike it (the code
 
     python benchmarks/frontier.py [--models smollm2-135m,gemma3-270m] [--precisions w4g64,w3g64,w4g128]
         [--methods rtn,gptq,awq,awq+gptq,signround] [--rotations none,hadamard] [--rotated-methods rtn,...]
-        [--float-targets-methods gptq,awq+gptq] [--signround-batch-sizes 4]
+        [--float-targets-methods gptq,awq+gptq] [--min-max-methods gptq,awq+gptq] [--signround-batch-sizes 4]
         [--peers autoround,autoround-defaults,autoround-iters0,gptqmodel,llmcompressor,llmcompressor-hadamard,
                  llmcompressor-random-hadamard]
         [--calib-samples 128] [--seq-len 512] [--iters 200] [--grid asym|sym|full] [--reuse] [--no-write]
@@ -26,8 +26,8 @@ row is rerun by the same command with ``--reuse``: every finished run and score 
 run.
 
 ``--defaults`` measures compound alone, one setting at a time from each method's defaults: the grid (sym / asym),
-act-order (on / off, GPTQ's), calibration samples and group size, at the first precision's bits, on each model; it
-writes its own section. Runs, scores and logs are kept under benchmarks/.cache/frontier/<model>/<precision>-<settings>.
+act-order (on / off, GPTQ's), GPTQ's range search (on / off), calibration samples and group size, at the first
+precision's bits, on each model; it writes its own section. Runs, scores and logs are kept under benchmarks/.cache/frontier/<model>/<precision>-<settings>.
 """
 
 from __future__ import annotations
@@ -245,6 +245,8 @@ def main() -> None:
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help="bits and group size: w4g64, w3g64, w4g128")
     parser.add_argument("--methods", default=",".join(METHODS), help="compound's methods (and the peers' GPTQ / AWQ)")
     parser.add_argument("--rotations", default="none,hadamard", help="compound's --rotate values")
+    parser.add_argument("--min-max-methods", default="", help="the methods also run unrotated with each group's "
+                        "min/max range (--no-mse-clip) instead of GPTQ's range search (gptq, awq+gptq)")
     parser.add_argument("--float-targets-methods", default="", help="the methods also run unrotated with "
                         "GPTQ's --float-targets (gptq, awq+gptq)")
     parser.add_argument("--signround-batch-sizes", default="", help="compound's SignRound also run unrotated with "
@@ -278,6 +280,7 @@ def main() -> None:
     args.rotated_methods = parse_list(args.rotated_methods, METHODS, "--rotated-methods")
     args.float_targets_methods = parse_list(args.float_targets_methods, ("gptq", "awq+gptq"),
                                             "--float-targets-methods")
+    args.min_max_methods = parse_list(args.min_max_methods, ("gptq", "awq+gptq"), "--min-max-methods")
     args.peers = parse_list(args.peers, PEERS, "--peers")
     args.skip = parse_skips(args.skip)
     args.default_samples = parse_counts(args.default_samples, "--default-samples")

@@ -58,6 +58,7 @@ class Run:
 SETTING_LABELS = {  # --defaults: how the table names each changed setting
     "sym": lambda sym: "symmetric grid" if sym else "asymmetric grid",
     "act_order": lambda on: f"act-order {'on' if on else 'off'}",
+    "mse_clip": lambda on: "range search" if on else "min/max ranges",
     "samples": lambda n: f"{n} calibration samples",
     "group_size": lambda g: f"group size {g}",
     "float_targets": lambda on: "float targets" if on else "own weights",
@@ -116,6 +117,7 @@ def frontier_runs(args, model: str) -> list[Run]:
     """compound's methods × rotations, then the peers' runs, as the options select them, less ``--skip``'s methods
     and peers on ``model``."""
     changes = {m: [()] + [(("float_targets", True),)] * (m in args.float_targets_methods)
+               + [(("mse_clip", False),)] * (m in args.min_max_methods)
                + [(("batch_size", n),) for n in args.signround_batch_sizes] * (m == "signround") for m in args.methods}
     runs = [Run("compound", m, r, args.iters if m == "signround" else None, change) for m in args.methods
             if (model, m) not in args.skip for r in args.rotations if r == "none" or m in args.rotated_methods
@@ -136,7 +138,7 @@ def frontier_runs(args, model: str) -> list[Run]:
 
 def defaults_runs(args, float_dir: Path, bits: int) -> list[Run]:
     """compound's methods at their defaults, then each with one setting changed: the grid, act-order (methods that
-    reorder columns), calibration samples (methods that calibrate) and the group size (those that divide every
+    reorder columns), GPTQ's range search (methods with a Hessian), calibration samples (methods that calibrate) and the group size (those that divide every
     width); a change that equals the default is left out."""
     from toolkit.quant.configs import METHODS as CONFIGS
     from toolkit.quant.configs import STANDARD_GROUP_SIZES, make_config
@@ -147,6 +149,8 @@ def defaults_runs(args, float_dir: Path, bits: int) -> list[Run]:
         changes = [("sym", not default.sym)]
         if CONFIGS[method].reorders_columns:
             changes.append(("act_order", not default.act_order))
+        if CONFIGS[method].needs_hessian:
+            changes.append(("mse_clip", not default.mse_clip))
         if CONFIGS[method].needs_activations:
             changes += [("samples", n) for n in args.default_samples if n != args.calib_samples]
         fitted = default.fitted(widths(float_dir))[0].group_size  # the group size compound would choose

@@ -116,6 +116,21 @@ def test_frontier_runs_a_group_size_only_where_it_divides_every_width(tmp_path, 
     assert frontier.skipped(tmp_path, 64) is None
 
 
+def test_frontier_defaults_change_one_setting_at_a_time(tmp_path):
+    import argparse
+
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 576, "intermediate_size": 1536,
+                                                      "num_attention_heads": 9, "head_dim": 64}))
+    frontier = load_frontier()
+    args = argparse.Namespace(methods=["rtn", "gptq"], default_samples=[32, 128], calib_samples=128, iters=50)
+    runs = frontier.defaults_runs(args, tmp_path, 4)
+    assert [run.setting for run in runs] == [
+        "defaults", "symmetric grid", "group size 32",  # RTN: no calibration; 128 does not divide 576
+        "defaults", "symmetric grid", "act-order off", "min/max ranges", "32 calibration samples", "group size 32"]
+    config = frontier.compound_config(runs[6], bits=4, group_size=None, grid=None)
+    assert not config.mse_clip and config.act_order and not config.sym  # only the changed setting moved
+
+
 def test_frontier_records_a_failed_run_by_its_own_error_line(tmp_path):
     log = tmp_path / "run.log"
     log.write_text("Quantizing layer 3\nTraceback (most recent call last):\n  File x\n"
@@ -142,16 +157,20 @@ def test_frontier_runs_autoround_at_its_defaults_once_whatever_the_iterations(it
     import argparse
 
     frontier = load_frontier()
-    args = argparse.Namespace(methods=["gptq", "signround"], float_targets_methods=[], rotations=["none"],
+    args = argparse.Namespace(methods=["gptq", "signround"], float_targets_methods=[], min_max_methods=["gptq"],
+                              rotations=["none"],
                               rotated_methods=[], signround_batch_sizes=[4], skip=set(), iters=iters,
                               peers=["autoround", "autoround-defaults", "autoround-iters0"])
     runs = frontier.frontier_runs(args, "smollm2-135m")
     assert [run.iters for run in runs if run.tool == "autoround"] == [*autoround_iters, 0]
     assert [run.name for run in runs if run.tool == "compound"] == [
-        "compound_gptq", f"compound_signround_iters{iters}", f"compound_signround_iters{iters}_batch-size-4"]
+        "compound_gptq", "compound_gptq_mse-clip-False", f"compound_signround_iters{iters}",
+        f"compound_signround_iters{iters}_batch-size-4"]
+    assert runs[1].label == "gptq (min/max ranges)"
     args.skip = {("smollm2-135m", "autoround-iters0"), ("smollm2-135m", "signround")}
     runs = frontier.frontier_runs(args, "smollm2-135m")
-    assert [run.name for run in runs] == ["compound_gptq", *(f"autoround_signround_iters{n}" for n in autoround_iters)]
+    assert [run.name for run in runs] == ["compound_gptq", "compound_gptq_mse-clip-False",
+                                          *(f"autoround_signround_iters{n}" for n in autoround_iters)]
     assert frontier.parse_skips("gemma3-270m:autoround-defaults") == {("gemma3-270m", "autoround-defaults")}
 
 

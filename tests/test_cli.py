@@ -36,6 +36,8 @@ def test_quantize_and_eval_tiny_model(tmp_path, tiny_llama_dir):
         (["--method", "hqq"], "Invalid value for '--method'"),
         (["--asym", "--format", "gptq"], "asymmetric GPTQ checkpoints are refused"),
         (["--bits", "3", "--format", "awq"], "AWQ GEMM format stores 4-bit weights only"),
+        (["--bits", "3"], "no layout stores asymmetric 3-bit weights (AWQ stores 4 bits, compressed-tensors 4 or 8); "
+                          "pass --sym (the GPTQ layout stores 2, 3, 4, 8 bits)"),
         (["--dataset", "/no/such/file.jsonl", "--method", "gptq"], "does not exist"),
     ],
 )
@@ -54,7 +56,7 @@ def test_group_size_not_dividing_width(tmp_path, tiny_llama_dir):
     assert "does not divide the input width" in " ".join(result.output.split())
 
 
-@pytest.mark.parametrize("args,quant_method", [([], "gptq"), (["--asym"], "awq"), (["--bits", "8", "--asym"], "compressed-tensors")])
+@pytest.mark.parametrize("args,quant_method", [([], "awq"), (["--sym"], "gptq"), (["--bits", "8"], "compressed-tensors")])
 def test_auto_format_picks_a_layout_engines_serve(tmp_path, tiny_llama_dir, args, quant_method):
     out = tmp_path / "q"
     result = run("quantize", "--model", tiny_llama_dir, "--group-size", "32", "--output", out, *args)

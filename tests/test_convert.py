@@ -33,7 +33,7 @@ def _codes(directory, layout, bits=4, group_size=32, sym=True):
 @pytest.fixture(scope="module")
 def gptq_dir(tmp_path_factory, tiny_llama_dir):
     root = tmp_path_factory.mktemp("convert")
-    return quantize(str(tiny_llama_dir), RTNConfig(bits=4, group_size=32), root / "gptq",
+    return quantize(str(tiny_llama_dir), RTNConfig(bits=4, group_size=32, sym=True), root / "gptq",
                     settings=QuantizeSettings(format="gptq")).output
 
 
@@ -84,7 +84,7 @@ def test_asymmetric_awq_converts_to_compressed_tensors_but_not_to_gptq(tmp_path,
     (3, "gptq", "awq", "4-bit"),
 ])
 def test_bit_widths_a_target_cannot_hold_are_refused(tmp_path, tiny_llama_dir, bits, src_fmt, fmt, reason):
-    src = quantize(str(tiny_llama_dir), RTNConfig(bits=bits, group_size=32), tmp_path / "src",
+    src = quantize(str(tiny_llama_dir), RTNConfig(bits=bits, group_size=32, sym=True), tmp_path / "src",
                    settings=QuantizeSettings(format=src_fmt)).output
     with pytest.raises(ConversionError, match=reason):
         convert(src, fmt, tmp_path / "out")
@@ -114,7 +114,7 @@ def test_nothing_to_convert_and_unknown_formats_are_refused(tmp_path, gptq_dir):
 
 def test_fp8_kv_scales_are_carried_and_declared(tmp_path, tiny_llama_dir):
     calibration = CalibrationSpec("sharegpt", samples=2, seq_len=32)
-    src = quantize(str(tiny_llama_dir), RTNConfig(bits=4, group_size=32), tmp_path / "gptq", calibration,
+    src = quantize(str(tiny_llama_dir), RTNConfig(bits=4, group_size=32, sym=True), tmp_path / "gptq", calibration,
                    settings=QuantizeSettings(format="gptq", kv_cache="fp8")).output
     ct = convert(src, "compressed-tensors", tmp_path / "ct")
     scheme = json.loads((ct / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]

@@ -209,7 +209,8 @@ def test_routers_stay_float_and_every_format_names_them(moe_dirs, tmp_path):
     source = moe_dirs("qwen2_moe")  # a router and a shared expert's gate per sparse layer; layer 1 is dense
     routers = ["model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate"]
     for fmt, method in [("compressed-tensors", "rtn"), ("gptq", "rtn"), ("awq", "awq")]:
-        out = quantize(str(source), make_config(method, bits=4, group_size=32), tmp_path / fmt, CALIBRATION,
+        out = quantize(str(source), make_config(method, bits=4, group_size=32, sym=fmt == "gptq"), tmp_path / fmt,
+                       CALIBRATION,
                        QuantizeSettings(format=fmt, dtype="float32")).output
         tensors = load_file(out / "model.safetensors")
         for router in routers:
@@ -238,7 +239,7 @@ def test_routers_stay_float_and_every_format_names_them(moe_dirs, tmp_path):
 def test_mixtral_is_written_and_read_under_its_hub_block_name(moe_dirs, tmp_path):
     from toolkit.runtime.load import load_quantized
 
-    out = quantize(str(moe_dirs("mixtral")), make_config("rtn", bits=4, group_size=32), tmp_path / "q",
+    out = quantize(str(moe_dirs("mixtral")), make_config("rtn", bits=4, group_size=32, sym=True), tmp_path / "q",
                    settings=QuantizeSettings(format="gptq", dtype="float32")).output
     names = set(load_file(out / "model.safetensors"))
     assert "model.layers.0.block_sparse_moe.experts.3.w2.qweight" in names

@@ -105,7 +105,6 @@ def test_recipe_and_cli_share_each_default():
 # Names that several option classes declare with different defaults, and why they may: each is one meaning whose
 # default is its verb's (or method's) job. Any other name two classes share must share its default too.
 SHARED_NAMES_WITH_OWN_DEFAULTS = {
-    "sym": "each method's own grid (RTN and GPTQ symmetric, AWQ's methods asymmetric), declared once in its config",
     "act_order": "each method's own column order, declared once in its config",
     "format": "quantize resolves auto; convert has no default (the target layout is its input)",
     "samples": "conversations drawn from a dataset: 128 to calibrate, 1000 to train heads",

@@ -19,7 +19,7 @@ def compound(*args, check=True):
 @pytest.fixture(scope="module")
 def rtn_checkpoint(tmp_path_factory):
     out = tmp_path_factory.mktemp("real") / "smollm2-rtn-w4g64"
-    compound("quantize", "--model", "smollm2-135m", "--method", "rtn", "--bits", "4", "--group-size", "64",
+    compound("quantize", "--model", "smollm2-135m", "--method", "rtn", "--sym", "--bits", "4", "--group-size", "64",
              "--output", out)
     return out
 

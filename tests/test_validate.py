@@ -20,7 +20,7 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, tiny_llama_dir):
-    return quantize(str(tiny_llama_dir), RTNConfig(group_size=32), tmp_path_factory.mktemp("validate") / "q").output
+    return quantize(str(tiny_llama_dir), RTNConfig(group_size=32, sym=True), tmp_path_factory.mktemp("validate") / "q").output
 
 
 def test_good_checkpoint_passes_with_every_path_agreeing(checkpoint):

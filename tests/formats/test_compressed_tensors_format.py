@@ -93,7 +93,7 @@ def test_refuses_other_widths():
 
 
 def test_quantization_config_minimal_keys():
-    qc = ct.quantization_config(RTNConfig(bits=4, group_size=128))
+    qc = ct.quantization_config(RTNConfig(bits=4, group_size=128, sym=True))
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
     assert qc["quantization_status"] == "compressed" and qc["ignore"] == ["lm_head"] and qc["kv_cache_scheme"] is None
     group = qc["config_groups"]["group_0"]

@@ -38,14 +38,14 @@ def test_refuses_what_vllm_refuses():
     with pytest.raises(ConfigError, match="asymmetric GPTQ"):
         gptq.check_supported(RTNConfig(sym=False))
     with pytest.raises(ConfigError, match="stores 2, 3, 4, 8 bits"):
-        gptq.check_supported(RTNConfig(bits=5))
+        gptq.check_supported(RTNConfig(bits=5, sym=True))
     with pytest.raises(ConfigError, match="desc_act"):
-        gptq.check_supported(GPTQConfig(act_order=True, static_groups=False, group_size=64))
-    gptq.check_supported(GPTQConfig(act_order=True, static_groups=True, group_size=64))
+        gptq.check_supported(GPTQConfig(sym=True, act_order=True, static_groups=False, group_size=64))
+    gptq.check_supported(GPTQConfig(sym=True, act_order=True, static_groups=True, group_size=64))
 
 
 def test_quantization_config_has_every_key_vllm_reads():
-    qc = gptq.quantization_config(GPTQConfig(group_size=64, act_order=True))
+    qc = gptq.quantization_config(GPTQConfig(sym=True, group_size=64, act_order=True))
     for key in ("quant_method", "bits", "group_size", "desc_act", "sym", "lm_head", "checkpoint_format"):
         assert key in qc
     assert qc["desc_act"] is False and qc["static_groups"] is True and qc["checkpoint_format"] == "gptq"

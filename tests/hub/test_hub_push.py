@@ -52,7 +52,7 @@ def artifact(tmp_path_factory) -> Path:
     """A GPTQ-layout checkpoint directory written by compound's own writer: a 12.6 MB shard (multipart), a small
     shard, the index, config.json with quantization_config, a tokenizer file and the compound.json manifest."""
     torch.manual_seed(0)
-    config = RTNConfig(bits=4, group_size=64)
+    config = RTNConfig(bits=4, group_size=64, sym=True)
     tensors = {"model.embed_tokens.weight": torch.randn(3072, 2048, dtype=torch.float16),
                "model.layers.0.self_attn.q_proj.qweight": torch.randint(-2**31, 2**31 - 1, (8, 64), dtype=torch.int32),
                "model.layers.0.self_attn.q_proj.scales": torch.rand(1, 64, dtype=torch.float16)}

@@ -16,7 +16,7 @@ GPTQ's roundings follow float summation order):
     (it now learns towards the float model's outputs, in bfloat16; these assertions hold for it);
     GPTQ KL 0.187, top-1 74.9 %; rotation + GPTQ KL 0.149, top-1 78.1 %, perplexity 26.51.
 Without act_order GPTQ is not distinguishable from RTN here (29.39 / 30.24, seeds 1 and 2: 30.24, 29.45; damp 0.1 or
-mse_clip do not help), and with the symmetric grid it loses to RTN (33.88 against 32.36). Only the wide margins are
+an unweighted range search did not help), and with the symmetric grid it loses to RTN (33.88 against 32.36). Only the wide margins are
 asserted: AWQ+GPTQ's lead over AWQ and GPTQ alone (0.2 to 1.4) is printed, not asserted.
 Cost, single-threaded CPU seconds: load 14, quantize RTN < 5, GPTQ 42, AWQ 87, AWQ+GPTQ 105 (AWQ's scale search runs
 the attention and MLP blocks 20 times a layer: ``max_tokens`` 1024 keeps it to a quarter of the default 4096, which

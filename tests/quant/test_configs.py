@@ -36,11 +36,12 @@ def test_act_order_is_refused_where_columns_are_never_reordered(method):
     assert make_config(method, act_order=False).act_order is False
 
 
-def test_act_order_defaults_stay_per_method():
+def test_defaults_stay_per_method_where_they_differ():
     assert (RTNConfig().act_order, AWQConfig().act_order) == (False, False)
     assert (GPTQConfig().act_order, AWQGPTQConfig().act_order) == (True, True)
     assert all(cls().static_groups for cls in METHODS.values())
-    assert (RTNConfig().sym, GPTQConfig().sym, AWQConfig().sym, AWQGPTQConfig().sym) == (True, True, False, False)
+    assert not any(cls().sym for cls in METHODS.values())  # one grid for every method: asymmetric, as measured
+    assert GPTQConfig().mse_clip and AWQGPTQConfig().mse_clip
 
 
 @pytest.mark.parametrize("cls", list(METHODS.values()), ids=list(METHODS))

@@ -215,21 +215,30 @@ def test_identity_hessian_is_round_to_nearest():
         assert torch.equal(qw.codes, quantize_rtn(W, 4, group_size, sym).codes)
 
 
-def test_mse_clip_lowers_the_grid_error():
+def test_mse_clip_lowers_the_importance_weighted_grid_error():
     torch.manual_seed(6)
     W = torch.distributions.StudentT(3.0).sample((32, 128))  # heavy tails: min/max wastes the grid on outliers
-    plain, _ = gptq_quantize(W, torch.eye(128), 4, 32, False)
-    clipped, _ = gptq_quantize(W, torch.eye(128), 4, 32, False, mse_clip=True)
+    importance = torch.rand(128).mul_(4).exp_()  # inputs' mean squares, 1 to 55: a diagonal Hessian
+    importance[:8] = 0  # dead inputs count for nothing
+    H = torch.diag(importance)
+    plain, _ = gptq_quantize(W, H, 4, 32, False)
+    clipped, _ = gptq_quantize(W, H, 4, 32, False, mse_clip=True)
+    uniform, _ = gptq_quantize(W, torch.eye(128), 4, 32, False, mse_clip=True)
     assert not torch.equal(clipped.scale, plain.scale)
-    def group_errors(qw):  # (N, G) Σ|w − q|^2.4 per group, the norm the search minimizes
-        return (W - qw.dequantize()).abs().pow(2.4).reshape(32, 4, 32).sum(-1)
+    assert not torch.equal(clipped.scale, uniform.scale)  # the weights steer the search
+
+    def group_errors(qw):  # (N, G) Σ diag(H)·(w − q)² per group, what the search minimizes (a diagonal H: RTN codes)
+        return ((W - qw.dequantize()).square() * importance).reshape(32, 4, 32).sum(-1)
 
     # Shrink factor 1 (min/max) is among the candidates, so no group gets worse; heavy-tailed ones get better.
     assert (group_errors(clipped) <= group_errors(plain) * (1 + 1e-5)).all()
     assert group_errors(clipped).sum() < 0.97 * group_errors(plain).sum()
+    assert group_errors(clipped).sum() < group_errors(uniform).sum()
     X = correlated_inputs(512, 128)
-    qw, loss = gptq_quantize(W, hessian(X), 4, 32, False, mse_clip=True, act_order=True, static_groups=False)
-    assert output_error(W, qw.dequantize(), X) < output_error(W, quantize_rtn(W, 4, 32, False).dequantize(), X)
+    for static_groups in (True, False):
+        qw, loss = gptq_quantize(W, hessian(X), 4, 32, False, mse_clip=True, act_order=True,
+                                 static_groups=static_groups)
+        assert output_error(W, qw.dequantize(), X) < output_error(W, quantize_rtn(W, 4, 32, False).dequantize(), X)
 
 
 def test_per_channel():

@@ -63,7 +63,7 @@ def _hand_computed_kv_absmax(tokenizer, config):
 def test_fp8_scales_are_the_absmax_of_post_rope_keys_and_values(tmp_path, tiny_llama_dir, smol_tokenizer):
     from toolkit.runtime.load import load_quantized
 
-    config = RTNConfig(bits=4, group_size=32)
+    config = RTNConfig(bits=4, group_size=32, sym=True)
     out = quantize(str(tiny_llama_dir), config, tmp_path / "q", CALIBRATION,
                    settings=QuantizeSettings(format="gptq", dtype="float32", kv_cache="fp8")).output
     tensors = load_file(out / "model.safetensors")

@@ -173,8 +173,8 @@ def test_the_full_range_rule_puts_each_groups_extreme_on_an_end_code_and_rounds_
 def test_full_range_is_a_symmetric_option_that_gguf_implies():
     from toolkit.quant.primitives import FULL_RANGE_RULE, GGUF_RULE, GPTQ_RULE
 
-    assert GPTQConfig(full_range=True).scale_rule == FULL_RANGE_RULE and GPTQConfig().scale_rule == GPTQ_RULE
-    assert GPTQConfig(full_range=True, gguf=True).scale_rule == GGUF_RULE == GPTQConfig(gguf=True).scale_rule
+    assert GPTQConfig(sym=True, full_range=True).scale_rule == FULL_RANGE_RULE and GPTQConfig().scale_rule == GPTQ_RULE
+    assert GPTQConfig(sym=True, full_range=True, gguf=True).scale_rule == GGUF_RULE == GPTQConfig(gguf=True).scale_rule
     with pytest.raises(ConfigError, match="--full-range is a symmetric grid; method 'awq' is asymmetric here: pass "
                                           "--sym with it"):
         make_config("awq", full_range=True)

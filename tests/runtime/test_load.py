@@ -11,7 +11,7 @@ from toolkit.runtime.quant_linear import QuantLinear
 @pytest.mark.parametrize("bits,group_size,full_range", [(4, 32, False), (8, 64, False), (2, -1, False), (3, 32, False),
                                                        (3, 32, True)])
 def test_checkpoint_round_trip_gives_the_fake_quantized_model(tmp_path, tiny_llama_dir, bits, group_size, full_range):
-    config = RTNConfig(bits=bits, group_size=group_size, full_range=full_range)
+    config = RTNConfig(bits=bits, group_size=group_size, sym=True, full_range=full_range)  # the GPTQ layout
     out = quantize(str(tiny_llama_dir), config, tmp_path / "q", settings=QuantizeSettings(dtype="float32")).output
     loaded, tokenizer = load_quantized(out, backend="reference")  # exact fp32 decode; other backends: test_quant_linear
     linears = [m for m in loaded.modules() if isinstance(m, QuantLinear)]

@@ -38,13 +38,18 @@ def resolve(name: str, config: WeightQuantConfig) -> tuple[ModuleType, str]:
 
 def _choose(config: WeightQuantConfig) -> tuple[ModuleType, str]:
     """(the layout ``auto`` stands for, why): GPTQ for symmetric weights, AWQ for asymmetric 4-bit groups (the
-    layouts with the widest engine support), compressed-tensors for what neither stores."""
+    layouts with the widest engine support), compressed-tensors for what neither stores; ``ConfigError`` naming
+    ``--sym`` for asymmetric weights of a width only the GPTQ layout stores."""
     if config.sym and config.bits in gptq.SUPPORTED_BITS:
         return gptq, f"auto: symmetric {config.bits}-bit weights are written in the GPTQ layout"
     if not config.sym and config.bits == awq.BITS and config.group_size != -1:
         order = " with static groups (no g_idx needed)" if config.act_order else ""
         return awq, (f"auto: asymmetric 4-bit{' act-order' if config.act_order else ''} weights{order} are "
                      "written in the AWQ layout, since engines load GPTQ checkpoints only symmetric")
+    if config.bits not in compressed_tensors.SUPPORTED_BITS and config.bits in gptq.SUPPORTED_BITS:
+        raise ConfigError(f"no layout stores asymmetric {config.bits}-bit weights (AWQ stores 4 bits, "
+                          f"compressed-tensors {' or '.join(map(str, compressed_tensors.SUPPORTED_BITS))}); pass --sym "
+                          f"(the GPTQ layout stores {', '.join(map(str, gptq.SUPPORTED_BITS))} bits)")
     return compressed_tensors, (f"auto: {'symmetric' if config.sym else 'asymmetric'} {config.bits}-bit "
                                 f"{'per-channel ' if config.group_size == -1 else ''}weights are stored by "
                                 "neither the GPTQ nor the AWQ layout")

@@ -55,7 +55,8 @@ class WeightQuantConfig:
     bits: int = option(4, "Weight bits (2..8; the GPTQ format stores 2, 3, 4 or 8).")
     group_size: int | None = option(None, "Input columns per scale: 32, 64, 128, or -1 for per channel (default: the "
                                           "largest of 128, 64, 32 that divides every quantized linear's input width).")
-    sym: bool = option(True, "Symmetric grid (default: the method's own).", flag="--sym/--asym")
+    sym: bool = option(False, "Symmetric grid (default: asymmetric, the closest to the float model of the two on both "
+                              "embedded models; --sym for GGUF's Q4_0 and the GPTQ layout).", flag="--sym/--asym")
     gguf: bool = option(False, "Also write the checkpoint as one GGUF file for llama.cpp inside --output "
                         "(<name>-Q4_0.gguf from symmetric 4-bit, -Q4_1 from asymmetric, -Q8_0 from symmetric 8-bit), "
                         "with codes chosen on its grid (llama.cpp's Q4_0 scale rule, fp16 scales) and written as "
@@ -201,7 +202,8 @@ class GPTQConfig(WeightQuantConfig):
     default: with static groups it costs nothing at run time, and on SmolLM2-135M W4 g64 it is what lets GPTQ beat
     RTN at all; llm-compressor's default too). static_groups: with act_order and groups, fix the groups in original
     column order (vLLM refuses desc_act with groups otherwise). mse_clip: search each group's range for the lowest
-    squared error instead of min/max.
+    rounding error weighted by each input's mean square (diag H, llama.cpp's importance matrix) instead of min/max:
+    both ends shrunk by one factor, then each end alone (``toolkit.quant.gptq``).
     true_sequential: quantize q/k/v, then o, then gate/up, then down, each seeing the already-quantized ones.
     float_targets: fit W* (``toolkit.quant.gptq.float_target_weights``) instead of W, so each linear also makes up
     for the error of everything quantized before it (the engine carries the float model's activations for it).
@@ -210,7 +212,8 @@ class GPTQConfig(WeightQuantConfig):
     damp: float = option(0.01, "GPTQ: dampening relative to the mean Hessian diagonal.")
     block_size: int = option(128, "GPTQ: columns per lazy update block.")
     act_order: bool = _option_of(WeightQuantConfig, "act_order", True)
-    mse_clip: bool = option(False, "GPTQ: search each group's range for the lowest squared error instead of min/max.")
+    mse_clip: bool = option(True, "GPTQ: search each group's range for the lowest rounding error weighted by each "
+                                  "input's mean square (llama.cpp's importance matrix) instead of min/max.")
     true_sequential: bool = option(True, "GPTQ: quantize q/k/v, then o, then gate/up, then down, each seeing the "
                                          "already-quantized ones.")
     float_targets: bool = option(False, "GPTQ: fit each linear's output on the quantized model's inputs to the float "
@@ -239,11 +242,10 @@ class GPTQConfig(WeightQuantConfig):
 class AWQConfig(WeightQuantConfig):
     """AWQ (arXiv 2306.00978): activation-aware per-channel scaling searched on the block output, then clipping.
 
-    sym defaults to False (AWQ's zero-point convention). grid: points of the scaling-exponent search in [0, 1).
+    grid: points of the scaling-exponent search in [0, 1).
     clip: search a shrink factor of each group's range. max_tokens: calibration tokens used by the searches.
     """
 
-    sym: bool = _option_of(WeightQuantConfig, "sym", False)
     grid: int = option(20, "AWQ: points of the scaling-exponent search in [0, 1).")
     clip: bool = option(True, "AWQ: search a shrink factor of each group's range.")
     max_tokens: int = option(4096, "AWQ: calibration tokens used by the searches.")
@@ -263,11 +265,8 @@ class AWQGPTQConfig(GPTQConfig):
 
     GPTQ's options as in ``GPTQConfig``; grid and max_tokens as in ``AWQConfig`` (the scale search). No AWQ clip
     search: GPTQ's rounding takes its place, and clipping first measured worse (``toolkit.methods.awq_gptq``).
-    sym defaults to False, as AWQ's: on SmolLM2-135M W4 g64 the held-out perplexity was 26.9 asymmetric against 33.3
-    symmetric (tests/methods/test_real_model_ordering.py). Asymmetric weights go to --format awq or compressed-tensors.
     """
 
-    sym: bool = _option_of(AWQConfig, "sym")
     grid: int = _option_of(AWQConfig, "grid")
     max_tokens: int = _option_of(AWQConfig, "max_tokens")
 
@@ -287,11 +286,9 @@ class SignRoundConfig(WeightQuantConfig):
     signed gradient descent on each decoder layer's output (``toolkit.quant.signround``, ``toolkit.methods.signround``).
 
     iters: iterations per layer (0: round-to-nearest's codes exactly). lr: step of the rounding offsets, decaying
-    linearly to 0 (default 1/iters, AutoRound's). minmax_lr: step of the clipping ranges (default lr). sym defaults to
-    False, as AWQ's and AutoRound's asymmetric runs.
+    linearly to 0 (default 1/iters, AutoRound's). minmax_lr: step of the clipping ranges (default lr).
     """
 
-    sym: bool = _option_of(AWQConfig, "sym")
     iters: int = option(200, "SignRound: signed-gradient iterations per decoder layer (0: round-to-nearest).")
     lr: float | None = option(None, "SignRound: step of the rounding offsets, decaying linearly to 0 "
                                     "(default 1/iters).")

@@ -34,10 +34,9 @@ import torch
 from toolkit.quant.finite import all_finite
 from toolkit.quant.primitives import GPTQ_RULE, QuantizedWeight, ScaleRule, default_g_idx, max_code, qparams_from_range
 
-# mse_clip: shrink factors of each group's [min, max] tried, and the error norm, as GPTQ's
-# ``Quantizer.find_params(mse=True)`` (grid 100, norm 2.4), stopped at 0.8 of the range.
+# mse_clip: shrink factors of each group's [min, max] tried, as GPTQ's ``Quantizer.find_params(mse=True)`` (steps
+# of 1/100), stopped at 0.8 of the range.
 _SHRINK = [1 - i / 100 for i in range(21)]
-_MSE_NORM = 2.4
 # Automatic dampening stops here: a Hessian that needs more than its own mean diagonal is broken, not ill-conditioned.
 _MAX_DAMP = 1.0
 # Rows of the permuted Hessian gathered per step: the gather's temporaries stay small next to the K×K result.
@@ -127,6 +126,7 @@ class HessianFactor:
     reversed_inverse: torch.Tensor  # (K, K) lower: J U J
     diagonal: torch.Tensor  # (K,) d = diag(U), in processing order
     dead: torch.Tensor  # (K,) bool: inputs never active (diag H = 0), in original order
+    importance: torch.Tensor  # (K,) diag(H) undampened, in original order: each input's mean square (0 when dead)
     perm: torch.Tensor | None  # (K,) processing order (act_order), or None for the natural order
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
@@ -155,6 +155,7 @@ def hessian_factor(H: torch.Tensor, damp: float = 0.01, act_order: bool = False)
         raise ValueError("H holds NaN or infinite values; the calibration activations overflowed")
     diagonal = H.diagonal().float().clone()  # not a view: H must be freeable below
     dead = diagonal == 0
+    importance = diagonal.clone()
     diagonal = torch.where(dead, torch.ones_like(diagonal), diagonal)
     perm = torch.argsort(diagonal, descending=True) if act_order else None
     order = (perm if perm is not None else torch.arange(K, device=H.device)).flip(0)
@@ -174,7 +175,7 @@ def hessian_factor(H: torch.Tensor, damp: float = 0.01, act_order: bool = False)
             reversed_inverse = torch.eye(K, dtype=L.dtype, device=L.device)  # L⁻¹ is solved into its storage
             torch.linalg.solve_triangular(L, reversed_inverse, upper=False, out=reversed_inverse)
             if all_finite(reversed_inverse):
-                return HessianFactor(reversed_inverse, reversed_inverse.diagonal().flip(0), dead, perm)
+                return HessianFactor(reversed_inverse, reversed_inverse.diagonal().flip(0), dead, importance, perm)
             del reversed_inverse
             reversed_h = L @ L.mT
         del L
@@ -226,7 +227,8 @@ def gptq_factored(
     already in original order and static_groups has no effect. Group qparams are otherwise taken when a group's
     first column is reached, from the error-updated weights at that moment; per-channel (group_size -1) qparams
     from the whole W.
-    mse_clip: each group's range is shrunk to the factor with the lowest Σ|w − q|^2.4 instead of min/max.
+    mse_clip: each group's range is shrunk to the factor with the lowest Σ diag(H)·(w − q)², the group's rounding
+    error weighted by each input's mean square (llama.cpp's importance matrix), instead of min/max.
     rule: how a range becomes a scale (``primitives.ScaleRule``).
     """
     N, K = W.shape
@@ -244,10 +246,13 @@ def gptq_factored(
 
     static = act_order and static_groups and group_size != -1
     if static:
-        static_scale, static_zero = _qparams(Wt.T.reshape(N, K // size, size), bits, sym, mse_clip, rule)  # (N, G)
+        static_scale, static_zero = _qparams(Wt.T.reshape(N, K // size, size), bits, sym, rule,
+                                             factor.importance.reshape(K // size, size) if mse_clip else None)  # (N, G)
         static_scale, static_zero = static_scale.T.contiguous(), static_zero.T.contiguous()  # (G, N)
+    importance = factor.importance
     if act_order:
         Wt = Wt[perm]
+        importance = importance[perm]
         group_of_column = (perm // size).tolist()
 
     codes_t = torch.empty(K, N, dtype=torch.uint8, device=Wt.device)  # (K, N) in processing order
@@ -274,7 +279,7 @@ def gptq_factored(
                     if j + size > i2:
                         pending = Wt[i2 : j + size] - U[:i, i2 : j + size].T @ Err1[:i]
                         current = torch.cat([current, pending])  # (size, N)
-                    scale, zero = _qparams(current.T, bits, sym, mse_clip, rule)
+                    scale, zero = _qparams(current.T, bits, sym, rule, importance[j : j + size] if mse_clip else None)
                     scales.append(scale)
                     zeros.append(zero)
                 w, err = W1[i], Err1[i]
@@ -305,22 +310,35 @@ def gptq_factored(
     return record, 0.5 * loss.item()
 
 
-def _qparams(groups: torch.Tensor, bits: int, sym: bool, mse_clip: bool,
-             rule: ScaleRule = GPTQ_RULE) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero [...] of the groups [..., size]: min/max, or with ``mse_clip`` the best shrunk range."""
+def _qparams(groups: torch.Tensor, bits: int, sym: bool, rule: ScaleRule,
+             importance: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero [...] of the groups [..., size]: min/max, or, given each column's ``importance`` (broadcast
+    against the groups), the clipped range with the lowest importance-weighted squared rounding error: both ends
+    shrunk by one factor, then (asymmetric grids) the minimum alone, then the maximum alone."""
     xmin, xmax = groups.amin(dim=-1), groups.amax(dim=-1)
-    if not mse_clip:
+    if importance is None:
         return qparams_from_range(xmin, xmax, bits, sym, rule)
     best = torch.full_like(xmin, float("inf"))
     scale, zero = torch.empty_like(xmin), torch.empty_like(xmin)
-    for p in _SHRINK:
-        s, z = qparams_from_range(p * xmin, p * xmax, bits, sym, rule)
-        q = torch.round(groups / s[..., None]).add_(z[..., None]).clamp_(0, max_code(bits))
-        err = q.sub_(z[..., None]).mul_(s[..., None]).sub_(groups).abs_().pow_(_MSE_NORM).sum(dim=-1)
-        better = err < best
-        best = torch.where(better, err, best)
-        scale = torch.where(better, s, scale)
-        zero = torch.where(better, z, zero)
+    low, high = xmin, xmax
+
+    def search(ranges):
+        nonlocal best, scale, zero, low, high
+        for lo, hi in ranges:
+            s, z = qparams_from_range(lo, hi, bits, sym, rule)
+            q = torch.round(groups / s[..., None]).add_(z[..., None]).clamp_(0, max_code(bits))
+            err = q.sub_(z[..., None]).mul_(s[..., None]).sub_(groups).square_().mul_(importance).sum(dim=-1)
+            better = err < best
+            best = torch.where(better, err, best)
+            scale, zero = torch.where(better, s, scale), torch.where(better, z, zero)
+            low, high = torch.where(better, lo, low), torch.where(better, hi, high)
+
+    search((p * xmin, p * xmax) for p in _SHRINK)
+    if not sym:
+        fixed_high = high
+        search((p * xmin, fixed_high) for p in _SHRINK)
+        fixed_low = low
+        search((fixed_low, p * xmax) for p in _SHRINK)
     return scale, zero
 
 
