@@ -254,8 +254,9 @@ def main() -> None:
     parser.add_argument("--rotated-methods", default=",".join(METHODS), help="the methods also run with each "
                         "rotation other than none (default: every method)")
     parser.add_argument("--peers", default=",".join(PEERS))
-    parser.add_argument("--skip", default="", help="MODEL:METHOD or MODEL:PEER,...: compound's METHOD or the "
-                        "PEER not run on MODEL (e.g. gemma3-270m:signround,gemma3-270m:autoround-defaults)")
+    parser.add_argument("--skip", default="", help="MODEL:METHOD, MODEL:METHOD@ROTATION or MODEL:PEER,...: "
+                        "compound's METHOD, its rotated run or the PEER not run on MODEL (e.g. "
+                        "gemma3-270m:signround,gemma3-270m:gptq@hadamard,gemma3-270m:autoround-defaults)")
     parser.add_argument("--grid", default="asym", choices=tuple(GRIDS), help="the grid every tool gets")
     parser.add_argument("--calib-samples", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=512)

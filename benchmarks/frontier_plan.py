@@ -88,13 +88,17 @@ def parse_counts(text: str, flag: str) -> list[int]:
 
 
 def parse_skips(text: str) -> set[tuple[str, str]]:
-    """``--skip``'s MODEL:METHOD and MODEL:PEER pairs; exit 2 on an unknown model, method or peer."""
+    """``--skip``'s MODEL:METHOD, MODEL:METHOD@ROTATION (that method's rotated run only) and MODEL:PEER pairs; exit 2
+    on an unknown model, method, rotation or peer."""
+    from toolkit.quant.configs import ROTATIONS
+
+    rotated = tuple(f"{m}@{r}" for m in METHODS for r in ROTATIONS if r != "none")
     pairs = [tuple(item.split(":", 1)) if ":" in item else (item, "") for item in text.split(",") if item]
-    bad = [":".join(p) for p in pairs if p[0] not in MODELS or p[1] not in (*METHODS, *PEERS)]
+    bad = [":".join(p) for p in pairs if p[0] not in MODELS or p[1] not in (*METHODS, *rotated, *PEERS)]
     if bad:
-        print(f"error: --skip: unknown {', '.join(bad)}; write MODEL:METHOD or MODEL:PEER with a model of "
-              f"{', '.join(MODELS)} and a method of {', '.join(METHODS)} or a peer of {', '.join(PEERS)}",
-              file=sys.stderr)
+        print(f"error: --skip: unknown {', '.join(bad)}; write MODEL:METHOD, MODEL:METHOD@ROTATION or MODEL:PEER "
+              f"with a model of {', '.join(MODELS)}, a method of {', '.join(METHODS)}, a rotation of "
+              f"{', '.join(r for r in ROTATIONS if r != 'none')} or a peer of {', '.join(PEERS)}", file=sys.stderr)
         raise SystemExit(2)
     return set(pairs)
 
@@ -114,13 +118,14 @@ def skipped(float_dir: Path, group_size: int) -> str | None:
 
 
 def frontier_runs(args, model: str) -> list[Run]:
-    """compound's methods × rotations, then the peers' runs, as the options select them, less ``--skip``'s methods
-    and peers on ``model``."""
+    """compound's methods × rotations, then the peers' runs, as the options select them, less ``--skip``'s methods,
+    rotated runs and peers on ``model``."""
     changes = {m: [()] + [(("float_targets", True),)] * (m in args.float_targets_methods)
                + [(("mse_clip", False),)] * (m in args.min_max_methods)
                + [(("batch_size", n),) for n in args.signround_batch_sizes] * (m == "signround") for m in args.methods}
     runs = [Run("compound", m, r, args.iters if m == "signround" else None, change) for m in args.methods
-            if (model, m) not in args.skip for r in args.rotations if r == "none" or m in args.rotated_methods
+            if (model, m) not in args.skip for r in args.rotations
+            if r == "none" or (m in args.rotated_methods and (model, f"{m}@{r}") not in args.skip)
             for change in (changes[m] if r == "none" else [()])]
     for peer in (p for p in args.peers if (model, p) not in args.skip):
         if peer == "autoround":

@@ -172,6 +172,11 @@ def test_frontier_runs_autoround_at_its_defaults_once_whatever_the_iterations(it
     assert [run.name for run in runs] == ["compound_gptq", "compound_gptq_mse-clip-False",
                                           *(f"autoround_signround_iters{n}" for n in autoround_iters)]
     assert frontier.parse_skips("gemma3-270m:autoround-defaults") == {("gemma3-270m", "autoround-defaults")}
+    args.rotations, args.rotated_methods, args.skip = ["none", "hadamard"], ["gptq"], set()
+    assert "compound_gptq_rot-hadamard" in [run.name for run in frontier.frontier_runs(args, "smollm2-135m")]
+    args.skip = frontier.parse_skips("smollm2-135m:gptq@hadamard")
+    names = [run.name for run in frontier.frontier_runs(args, "smollm2-135m")]
+    assert "compound_gptq" in names and "compound_gptq_rot-hadamard" not in names
 
 
 def test_frontier_argv_for_a_signround_batch_size_parses_back():
