@@ -22,7 +22,7 @@ from toolkit.quant.configs import AWQConfig, AWQGPTQConfig, ConfigError, RTNConf
 from toolkit.quant.gptq import HessianAccumulator
 from toolkit.quantize import CalibrationSpec, _check_data_parallel
 
-ARGS = ["--method", "gptq", "--bits", "4", "--group-size", "32", "--samples", "6", "--seq-len", "48",
+ARGS = ["--method", "gptq", "--sym", "--bits", "4", "--group-size", "32", "--samples", "6", "--seq-len", "48",
         "--batch-size", "2"]
 
 
