@@ -67,6 +67,7 @@ UNLIKE = ("code", "non-english")  # the eval slices least like ShareGPT's prose
 GOALS = {("smollm2-135m", "w4g64"): 1.05, ("gemma3-270m", "w4g64"): 1.08}  # issue #38: perplexity within × of float
 TITLE = "Quality at the frontier: compound vs AutoRound, GPTQModel, llm-compressor"
 DEFAULTS_TITLE = "Defaults from measurement"
+SECTION_SAMPLES = 32  # the calibration sequences of the frontier's main sections; other counts write their own
 
 
 GRIDS = {  # --grid: what each tool gets
@@ -247,8 +248,8 @@ def main() -> None:
     parser.add_argument("--rotations", default="none,hadamard", help="compound's --rotate values")
     parser.add_argument("--min-max-methods", default="", help="the methods also run unrotated with each group's "
                         "min/max range (--no-mse-clip) instead of GPTQ's range search (gptq, awq+gptq)")
-    parser.add_argument("--float-targets-methods", default="", help="the methods also run unrotated with "
-                        "GPTQ's --float-targets (gptq, awq+gptq)")
+    parser.add_argument("--float-targets-methods", default="", help="the methods also run with GPTQ's "
+                        "--float-targets (gptq, awq+gptq), unrotated and with each rotation --rotated-methods gives them")
     parser.add_argument("--signround-batch-sizes", default="", help="compound's SignRound also run unrotated with "
                         "each of these calibration batch sizes (sequences per learning step; default 8, AutoRound's)")
     parser.add_argument("--rotated-methods", default=",".join(METHODS), help="the methods also run with each "
@@ -382,8 +383,15 @@ def report(args, measured: dict) -> None:
              if isinstance(rows, list) else rows for k, rows in results.items()} for m, results in measured.items()},
         indent=2, default=str))
     if not args.no_write:
-        update_section(DEFAULTS_TITLE if defaults else TITLE + SECTION_SUFFIXES[args.grid],
-                       body)
+        update_section(DEFAULTS_TITLE if defaults else section_title(args), body)
+
+
+def section_title(args) -> str:
+    """The frontier section a run writes: one per grid, per group size other than 64 (W4 g128 on Gemma-3) and per
+    calibration size other than ``SECTION_SAMPLES``."""
+    sizes = sorted({PRECISIONS[p][1] for p in args.precisions} - {64})
+    return (TITLE + SECTION_SUFFIXES[args.grid] + (f" (group size {', '.join(map(str, sizes))})" if sizes else "")
+            + (f" ({args.calib_samples} calibration samples)" if args.calib_samples != SECTION_SAMPLES else ""))
 
 
 if __name__ == "__main__":

@@ -116,6 +116,20 @@ def test_frontier_runs_a_group_size_only_where_it_divides_every_width(tmp_path, 
     assert frontier.skipped(tmp_path, 64) is None
 
 
+@pytest.mark.parametrize("precisions, grid, samples, suffix", [
+    (["w4g64"], "asym", 32, ""), (["w3g64"], "full", 32, " (symmetric full-range grid)"),
+    (["w4g128"], "asym", 32, " (group size 128)"),
+    (["w4g64", "w4g128"], "sym", 32, " (symmetric grid) (group size 128)"),
+    (["w4g64"], "asym", 128, " (128 calibration samples)"),
+])
+def test_frontier_writes_one_section_per_grid_group_size_and_calibration(precisions, grid, samples, suffix):
+    import argparse
+
+    frontier = load_frontier()
+    title = frontier.section_title(argparse.Namespace(precisions=precisions, grid=grid, calib_samples=samples))
+    assert title == frontier.TITLE + suffix  # a W4 g128 run leaves the g64 tables of the same grid alone
+
+
 def test_frontier_defaults_change_one_setting_at_a_time(tmp_path):
     import argparse
 
@@ -177,6 +191,10 @@ def test_frontier_runs_autoround_at_its_defaults_once_whatever_the_iterations(it
     args.skip = frontier.parse_skips("smollm2-135m:gptq@hadamard")
     names = [run.name for run in frontier.frontier_runs(args, "smollm2-135m")]
     assert "compound_gptq" in names and "compound_gptq_rot-hadamard" not in names
+    args.skip, args.float_targets_methods = set(), ["gptq"]  # float targets rotated too; min/max unrotated only
+    names = [run.name for run in frontier.frontier_runs(args, "smollm2-135m") if run.tool == "compound"]
+    assert names[:5] == ["compound_gptq", "compound_gptq_float-targets-True", "compound_gptq_mse-clip-False",
+                         "compound_gptq_rot-hadamard", "compound_gptq_rot-hadamard_float-targets-True"]
 
 
 def test_frontier_argv_for_a_signround_batch_size_parses_back():
