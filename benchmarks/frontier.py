@@ -12,7 +12,8 @@ that drifts toward it), on ShareGPT's eval split and on text unlike it (the code
 
     python benchmarks/frontier.py [--models smollm2-135m,gemma3-270m] [--precisions w4g64,w3g64,w4g128]
         [--methods rtn,gptq,awq,awq+gptq,signround] [--rotations none,hadamard] [--rotated-methods rtn,...]
-        [--float-targets-methods gptq,awq+gptq] [--min-max-methods gptq,awq+gptq] [--signround-batch-sizes 4]
+        [--float-targets-methods gptq,awq+gptq] [--refit-methods gptq,awq+gptq] [--min-max-methods gptq,awq+gptq]
+        [--signround-batch-sizes 4]
         [--peers autoround,autoround-defaults,autoround-iters0,gptqmodel,llmcompressor,llmcompressor-hadamard,
                  llmcompressor-random-hadamard]
         [--calib-samples 128] [--seq-len 512] [--iters 200] [--grid asym|sym|full] [--reuse] [--no-write]
@@ -250,6 +251,8 @@ def main() -> None:
                         "min/max range (--no-mse-clip) instead of GPTQ's range search (gptq, awq+gptq)")
     parser.add_argument("--float-targets-methods", default="", help="the methods also run with GPTQ's "
                         "--float-targets (gptq, awq+gptq), unrotated and with each rotation --rotated-methods gives them")
+    parser.add_argument("--refit-methods", default="", help="the methods also run with GPTQ's --refit-rounds "
+                        "(gptq, awq+gptq), unrotated and with each rotation --rotated-methods gives them")
     parser.add_argument("--signround-batch-sizes", default="", help="compound's SignRound also run unrotated with "
                         "each of these calibration batch sizes (sequences per learning step; default 8, AutoRound's)")
     parser.add_argument("--rotated-methods", default=",".join(METHODS), help="the methods also run with each "
@@ -282,6 +285,7 @@ def main() -> None:
     args.rotated_methods = parse_list(args.rotated_methods, METHODS, "--rotated-methods")
     args.float_targets_methods = parse_list(args.float_targets_methods, ("gptq", "awq+gptq"),
                                             "--float-targets-methods")
+    args.refit_methods = parse_list(args.refit_methods, ("gptq", "awq+gptq"), "--refit-methods")
     args.min_max_methods = parse_list(args.min_max_methods, ("gptq", "awq+gptq"), "--min-max-methods")
     args.peers = parse_list(args.peers, PEERS, "--peers")
     args.skip = parse_skips(args.skip)

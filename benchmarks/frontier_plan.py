@@ -63,7 +63,9 @@ SETTING_LABELS = {  # --defaults: how the table names each changed setting
     "group_size": lambda g: f"group size {g}",
     "float_targets": lambda on: "float targets" if on else "own weights",
     "batch_size": lambda n: f"batch {n}",
+    "refit_rounds": lambda n: f"{n} scale refits",
 }
+REFIT_ROUNDS = 3  # --refit-methods' GPTQ refit_rounds: three refits, GPTQ choosing the codes again between two
 RUN_SETTINGS = ("samples", "batch_size")  # changes of the run (calibration, QuantizeSettings), not of the method config
 
 
@@ -118,15 +120,17 @@ def skipped(float_dir: Path, group_size: int) -> str | None:
 
 
 def frontier_runs(args, model: str) -> list[Run]:
-    """compound's methods × rotations (float targets with each rotation, the other variants unrotated), then the
-    peers' runs, as the options select them, less ``--skip``'s methods, rotated runs and peers on ``model``."""
-    float_targets = {m: [(("float_targets", True),)] * (m in args.float_targets_methods) for m in args.methods}
-    changes = {m: [()] + float_targets[m] + [(("mse_clip", False),)] * (m in args.min_max_methods)
+    """compound's methods × rotations (float targets and scale refits with each rotation, the other variants
+    unrotated), then the peers' runs, as the options select them, less ``--skip``'s methods, rotated runs and peers
+    on ``model``."""
+    rotated = {m: [(("float_targets", True),)] * (m in args.float_targets_methods)
+               + [(("refit_rounds", REFIT_ROUNDS),)] * (m in args.refit_methods) for m in args.methods}
+    changes = {m: [()] + rotated[m] + [(("mse_clip", False),)] * (m in args.min_max_methods)
                + [(("batch_size", n),) for n in args.signround_batch_sizes] * (m == "signround") for m in args.methods}
     runs = [Run("compound", m, r, args.iters if m == "signround" else None, change) for m in args.methods
             if (model, m) not in args.skip for r in args.rotations
             if r == "none" or (m in args.rotated_methods and (model, f"{m}@{r}") not in args.skip)
-            for change in (changes[m] if r == "none" else [(), *float_targets[m]])]
+            for change in (changes[m] if r == "none" else [(), *rotated[m]])]
     for peer in (p for p in args.peers if (model, p) not in args.skip):
         if peer == "autoround":
             runs.append(Run("autoround", "signround", iters=args.iters))

@@ -172,6 +172,7 @@ def test_frontier_runs_autoround_at_its_defaults_once_whatever_the_iterations(it
 
     frontier = load_frontier()
     args = argparse.Namespace(methods=["gptq", "signround"], float_targets_methods=[], min_max_methods=["gptq"],
+                              refit_methods=[],
                               rotations=["none"],
                               rotated_methods=[], signround_batch_sizes=[4], skip=set(), iters=iters,
                               peers=["autoround", "autoround-defaults", "autoround-iters0"])
@@ -195,6 +196,13 @@ def test_frontier_runs_autoround_at_its_defaults_once_whatever_the_iterations(it
     names = [run.name for run in frontier.frontier_runs(args, "smollm2-135m") if run.tool == "compound"]
     assert names[:5] == ["compound_gptq", "compound_gptq_float-targets-True", "compound_gptq_mse-clip-False",
                          "compound_gptq_rot-hadamard", "compound_gptq_rot-hadamard_float-targets-True"]
+    args.refit_methods = ["gptq"]  # refits rotated too
+    runs = [run for run in frontier.frontier_runs(args, "smollm2-135m") if run.tool == "compound"]
+    assert [run.name for run in runs][:7] == [
+        "compound_gptq", "compound_gptq_float-targets-True", "compound_gptq_refit-rounds-3",
+        "compound_gptq_mse-clip-False", "compound_gptq_rot-hadamard", "compound_gptq_rot-hadamard_float-targets-True",
+        "compound_gptq_rot-hadamard_refit-rounds-3"]
+    assert runs[2].label == "gptq (3 scale refits)"
 
 
 def test_frontier_argv_for_a_signround_batch_size_parses_back():

@@ -29,11 +29,13 @@ HEADING = re.compile(r"^#{1,6} (\d+(?:\.\d+)*)\.? ", re.MULTILINE)
 
 def repository_files() -> list[Path]:
     """The text files whose citations are checked: the root's Markdown and every file of the source folders but this
-    one (whose examples cite what does not exist on purpose)."""
+    one (whose examples cite what does not exist on purpose) and those under hidden folders (benchmarks/.venvs: the
+    peers' installs; caches)."""
     files = sorted(ROOT.glob("*.md"))
     for folder in FOLDERS:
         files += sorted(p for p in (ROOT / folder).rglob("*") if p.suffix in SUFFIXES and p.is_file()
-                        and "__pycache__" not in p.parts and p != Path(__file__).resolve())
+                        and "__pycache__" not in p.parts and p != Path(__file__).resolve()
+                        and not any(part.startswith(".") for part in p.relative_to(ROOT).parts))
     return files
 
 

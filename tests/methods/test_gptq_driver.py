@@ -98,3 +98,14 @@ def test_float_targets_fit_the_float_model_and_start_from_gptqs_first_group():
     last_plain = layer_output_errors(plain[0], reference, tokens)[-1]
     last_fitted = layer_output_errors(fitted[0], reference, tokens)[-1]
     assert last_fitted < 0.9 * last_plain, (last_fitted, last_plain)
+
+
+def test_refit_rounds_lower_the_loss_and_write_the_refitted_weights(runs):
+    """The first layer's q/k/v read the same inputs with and without refits, so their losses compare directly."""
+    _, _, plain = runs["sequential"]
+    model, sunk, errors = quantize(GPTQConfig(group_size=32, refit_rounds=3))
+    for proj in ("q_proj", "k_proj", "v_proj"):
+        name = f"model.layers.0.self_attn.{proj}"
+        assert errors[name] < 0.99 * plain[name], (name, errors[name], plain[name])
+    for name, qweight in sunk.items():
+        assert torch.equal(model.get_submodule(name).weight, qweight.dequantize())

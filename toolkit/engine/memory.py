@@ -10,7 +10,7 @@ Counted from the model's shapes (a meta-device skeleton is enough), float32 as t
 | activations | samples × seq_len × hidden, twice (a layer's inputs and outputs); one batch with offload | same |
 | forward | one batch: 3 MLP-wide tensors, 2 attention-score tensors, and 3 copies of the largest linear | same |
 | replay | GPTQ true-sequential, activations in memory: o_proj's and down_proj's inputs (samples × seq_len × (hidden + the widest input)), kept so attention and the MLP are not recomputed | same |
-| statistics | a Hessian (``needs_hessian``, GPTQ): 3 × K² for the widest input K (the Hessian, then its permuted copy and Cholesky factor, then the factor and its inverse: two at a time, plus allocator slack); a scale search (``searches_scales``, AWQ): max_tokens × every input | same |
+| statistics | a Hessian (``needs_hessian``, GPTQ): 3 × K² for the widest input K (the Hessian, then its permuted copy and Cholesky factor, then the factor and its inverse: two at a time, plus allocator slack), 4 × K² with ``refit_rounds`` (the Hessian kept); a scale search (``searches_scales``, AWQ): max_tokens × every input | same |
 | float stream | ``follows_float_model`` (SignRound, GPTQ's ``float_targets``): the float model's inputs and outputs of the layer, 2 × samples × seq_len × hidden (one batch with offload); with ``float_targets`` also the float model's input of every linear of the layer (samples × seq_len × the inputs' widths summed: an upper bound, linears sharing an input keep it once) | same |
 | learned rounding | ``learns_rounding`` (SignRound): 8 copies of the layer's linear weights (offsets, their best copy and gradient, the fake-quantized weights and their intermediates), and the backward of one batch (twice the forward row) | same |
 | rotation | — (``--rotate`` needs the model in memory) | ``--rotate``: the LM head it may untie (a tied one in a family whose residual stream it rotates), and 3 float64 copies of the largest matrix it folds at once |
@@ -102,7 +102,8 @@ def estimate(
     if samples and not offload and getattr(config, "true_sequential", False):
         parts["replay inputs"] = samples * seq_len * (hidden + max(m.in_features for m in linears)) * FLOAT
     if config.needs_hessian:
-        parts["hessians"] = 3 * max(m.in_features for m in linears) ** 2 * FLOAT
+        kept = 1 if getattr(config, "refit_rounds", 0) else 0  # the refits keep the Hessian beside its factor
+        parts["hessians"] = (3 + kept) * max(m.in_features for m in linears) ** 2 * FLOAT
     if config.searches_scales:
         parts["awq inputs"] = config.max_tokens * sum(m.in_features for m in linears) * FLOAT
     if config.follows_float_model and samples:

@@ -16,6 +16,9 @@ averaged over ranks (weighted by tokens) before factoring, so every rank quantiz
 (``LayerSession.float_linear_inputs``) and each group keeps what its linears read there; the Hessian pass then also
 accumulates the correction D between those inputs and the quantized model's, and GPTQ fits W* =
 ``float_target_weights`` instead of W. Experts keep W: the float model routes other tokens to them.
+
+``refit_rounds``: each linear's group scales are then refitted to its codes (``toolkit.quant.refit.alternate``, GPTQ
+choosing the codes again on each refitted grid) against its group's dampened Hessian, kept beside the factor for it.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from toolkit.experts import expert_index
 from toolkit.methods import driver
 from toolkit.quant.configs import GPTQConfig
 from toolkit.quant.finite import all_finite
-from toolkit.quant.gptq import (CorrectionAccumulator, HessianAccumulator, HessianFactor, float_target_weights,
-                                gptq_factored, hessian_factor)
+from toolkit.quant.gptq import (CorrectionAccumulator, HessianAccumulator, HessianFactor, dampened_,
+                                float_target_weights, gptq_factored, hessian_factor)
 from toolkit.quant.primitives import QuantizedWeight
+from toolkit.quant.refit import alternate
 
 ERROR_MEASURE = "Hessian-weighted squared error (GPTQ loss)"  # what ``session.errors`` gets, here and in awq_gptq
 
@@ -61,10 +65,13 @@ def quantize_layer(session: LayerSession) -> dict[str, QuantizedWeight]:
         targets = {} if correction is None else {
             name: float_target_weights(session.linears[name].weight.data, correction, hessians[group[0]], cfg.damp)
             for name in group}
-        # popped straight into the call, so that the factorization holds the only reference and frees the Hessian
+        # kept for the refits only: otherwise popped straight into the call, so that the factorization holds the
+        # only reference and frees the Hessian
+        kept = hessians[group[0]] if cfg.refit_rounds else None
         factor = hessian_factor(hessians.pop(group[0]), cfg.damp, cfg.act_order)
-        results.update({name: _quantize_linear(session, name, factor, targets.get(name)) for name in group})
-        del factor
+        hessian = None if kept is None else dampened_(kept, cfg.damp)
+        results.update({name: _quantize_linear(session, name, factor, targets.get(name), hessian) for name in group})
+        del factor, kept, hessian
     return results
 
 
@@ -106,17 +113,21 @@ def _hessians(session: LayerSession, groups: list[list[str]], float_inputs: dict
     return hessians, corrections
 
 
-def _quantize_linear(session: LayerSession, name: str, factor: HessianFactor,
-                     target: torch.Tensor | None = None) -> QuantizedWeight:
-    """GPTQ one linear towards ``target`` (default: its weight), write its dequantized weight back at once (later
-    groups must see it), record its loss."""
+def _quantize_linear(session: LayerSession, name: str, factor: HessianFactor, target: torch.Tensor | None = None,
+                     hessian: torch.Tensor | None = None) -> QuantizedWeight:
+    """GPTQ one linear towards ``target`` (default: its weight), with ``refit_rounds`` against the dampened
+    ``hessian``; write its dequantized weight back at once (later groups must see it), record its loss."""
     cfg = session.config
     linear = session.linears[name]
-    qweight, loss = gptq_factored(
-        linear.weight.data if target is None else target, factor, cfg.bits, cfg.group_size, cfg.sym,
-        block_size=cfg.block_size,
-        static_groups=cfg.static_groups, mse_clip=cfg.mse_clip, rule=cfg.scale_rule,
-    )
+    W = linear.weight.data if target is None else target
+    qweight, loss = gptq_factored(W, factor, cfg.bits, cfg.group_size, cfg.sym, block_size=cfg.block_size,
+                                  static_groups=cfg.static_groups, mse_clip=cfg.mse_clip, rule=cfg.scale_rule)
+    if cfg.refit_rounds:
+        def on_grid(grid: QuantizedWeight) -> QuantizedWeight:
+            return gptq_factored(W, factor, cfg.bits, cfg.group_size, cfg.sym, block_size=cfg.block_size,
+                                 rule=cfg.scale_rule, grid=grid)[0]
+
+        qweight, loss = alternate(qweight, W, hessian, cfg.refit_rounds - 1, on_grid, cfg.scale_rule)
     qweight.bias = linear.bias
     linear.weight.data.copy_(qweight.dequantize().to(linear.weight.dtype))
     session.errors[name] = loss

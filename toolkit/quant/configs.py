@@ -207,6 +207,9 @@ class GPTQConfig(WeightQuantConfig):
     true_sequential: quantize q/k/v, then o, then gate/up, then down, each seeing the already-quantized ones.
     float_targets: fit W* (``toolkit.quant.gptq.float_target_weights``) instead of W, so each linear also makes up
     for the error of everything quantized before it (the engine carries the float model's activations for it).
+    refit_rounds: refits of the group scales to GPTQ's codes (``toolkit.quant.refit``), GPTQ choosing the codes again
+    on each refitted grid between two refits; the refit of lowest loss is kept. Each round after the first costs one
+    more GPTQ pass per linear, and the Hessian is kept beside its factor.
     """
 
     damp: float = option(0.01, "GPTQ: dampening relative to the mean Hessian diagonal.")
@@ -219,6 +222,10 @@ class GPTQConfig(WeightQuantConfig):
     float_targets: bool = option(False, "GPTQ: fit each linear's output on the quantized model's inputs to the float "
                                         "model's output (GPTAQ's objective) instead of to its float weights' output on "
                                         "the same inputs.", flag="--float-targets/--no-float-targets")
+    refit_rounds: int = option(0, "GPTQ: refits of each group's scale to the chosen codes (least squares on the "
+                                  "layer's output error), GPTQ choosing the codes again on the refitted grid between "
+                                  "two; the best refit is kept (0: off; each round after the first costs one more "
+                                  "GPTQ pass per linear).")
 
     method = "gptq"
     needs_hessian = True
@@ -231,6 +238,8 @@ class GPTQConfig(WeightQuantConfig):
             raise ConfigError(f"damp must be in (0, 1), got {self.damp}")
         if self.block_size < 1:
             raise ConfigError(f"block_size must be positive, got {self.block_size}")
+        if self.refit_rounds < 0:
+            raise ConfigError(f"--refit-rounds must be 0 or more, got {self.refit_rounds}")
 
     @property
     def follows_float_model(self) -> bool:

@@ -107,11 +107,17 @@ def float_target_weights(W: torch.Tensor, D: torch.Tensor, H: torch.Tensor, damp
     are closest to W's on the float model's (GPTAQ's objective: Li et al. 2025, GPTQModel's ``gptaq``). Since ‖X·Qᵀ − X_f·Wᵀ‖² =
     ‖X·(Q − W*)ᵀ‖² + a constant, GPTQ on W* minimises it: only the weights it fits change. λ = ``damp`` × mean
     diag(H), as GPTQ dampens; W* = W where the two inputs agree (D = 0)."""
-    damped = H.float().clone()
-    diagonal = damped.diagonal()
+    damped = dampened_(H.float().clone(), damp)
+    return W.float() + torch.linalg.solve(damped, (W.float() @ D).T).T  # H symmetric: (W·D·H⁻¹)ᵀ = H⁻¹·(W·D)ᵀ
+
+
+def dampened_(H: torch.Tensor, damp: float) -> torch.Tensor:
+    """``H`` [K, K] dampened in place as ``hessian_factor`` dampens it (dead inputs' zero diagonal set to 1, then
+    ``damp`` × the mean diagonal added), and returned: the Hessian GPTQ's loss is measured with."""
+    diagonal = H.diagonal()
     diagonal.copy_(torch.where(diagonal == 0, torch.ones_like(diagonal), diagonal))
     diagonal.add_(damp * diagonal.mean())
-    return W.float() + torch.linalg.solve(damped, (W.float() @ D).T).T  # H symmetric: (W·D·H⁻¹)ᵀ = H⁻¹·(W·D)ᵀ
+    return H
 
 
 @dataclass
@@ -217,6 +223,7 @@ def gptq_factored(
     static_groups: bool = True,
     mse_clip: bool = False,
     rule: ScaleRule = GPTQ_RULE,
+    grid: QuantizedWeight | None = None,
 ) -> tuple[QuantizedWeight, float]:
     """Quantize ``W`` [N, K] (not modified) with a ``hessian_factor`` of its Hessian. Returns the weight record, in
     original column order, and the loss Σ ½ (w − q)² / d².
@@ -230,6 +237,8 @@ def gptq_factored(
     mse_clip: each group's range is shrunk to the factor with the lowest Σ diag(H)·(w − q)², the group's rounding
     error weighted by each input's mean square (llama.cpp's importance matrix), instead of min/max.
     rule: how a range becomes a scale (``primitives.ScaleRule``).
+    grid: choose the codes on this record's scales, zeros and groups (``refit.refit_scales``'s) instead of taking
+    qparams from ranges; the record keeps its g_idx. A record of this factor's own run gives back its codes.
     """
     N, K = W.shape
     if factor.diagonal.shape[0] != K:
@@ -244,16 +253,20 @@ def gptq_factored(
     Wt = W.detach().T.float().contiguous()  # (K, N), a copy
     Wt[factor.dead] = 0
 
-    static = act_order and static_groups and group_size != -1
-    if static:
+    static = grid is not None or (act_order and static_groups and group_size != -1)
+    if grid is not None:
+        static_scale, static_zero = grid.scale.T.float().contiguous(), grid.zero.T.float().contiguous()  # (G, N)
+    elif static:
         static_scale, static_zero = _qparams(Wt.T.reshape(N, K // size, size), bits, sym, rule,
                                              factor.importance.reshape(K // size, size) if mse_clip else None)  # (N, G)
         static_scale, static_zero = static_scale.T.contiguous(), static_zero.T.contiguous()  # (G, N)
     importance = factor.importance
+    groups = grid.g_idx.long() if grid is not None else torch.arange(K, device=Wt.device) // size  # static groups
     if act_order:
         Wt = Wt[perm]
         importance = importance[perm]
-        group_of_column = (perm // size).tolist()
+        groups = groups[perm]
+    group_of_column = groups.tolist()  # in processing order
 
     codes_t = torch.empty(K, N, dtype=torch.uint8, device=Wt.device)  # (K, N) in processing order
     q = torch.empty(N, dtype=torch.float32, device=Wt.device)  # one column's codes as floats
@@ -298,7 +311,7 @@ def gptq_factored(
         scale, zero = static_scale.T, static_zero.T  # (N, G)
     else:
         scale, zero = torch.stack(scales, dim=1), torch.stack(zeros, dim=1)  # (N, G), groups in processing order
-    g_idx = default_g_idx(K, group_size, codes_t.device)
+    g_idx = default_g_idx(K, group_size, codes_t.device) if grid is None else grid.g_idx.clone()
     if act_order:
         codes_t = codes_t[torch.argsort(perm)]  # (K, N) rows back in original column order
         if not static:
