@@ -70,6 +70,7 @@ GOALS = {("smollm2-135m", "w4g64"): (1.05, False), ("gemma3-270m", "w4g64"): (1.
 TITLE = "Quality at the frontier: compound vs AutoRound, GPTQModel, llm-compressor"
 DEFAULTS_TITLE = "Defaults from measurement"
 SECTION_SAMPLES = 32  # the calibration sequences of the frontier's main sections; other counts write their own
+SECTION_GROUP_SIZE = 64  # the group size of the frontier's main sections; other sizes write their own
 
 
 GRIDS = {  # --grid: what each tool gets
@@ -393,9 +394,9 @@ def report(args, measured: dict) -> None:
 
 
 def section_title(args) -> str:
-    """The frontier section a run writes: one per grid, per group size other than 64 (W4 g128 on Gemma-3) and per
-    calibration size other than ``SECTION_SAMPLES``."""
-    sizes = sorted({PRECISIONS[p][1] for p in args.precisions} - {64})
+    """The frontier section a run writes: one per grid, per group size other than ``SECTION_GROUP_SIZE`` (W4 g128 on
+    Gemma-3) and per calibration size other than ``SECTION_SAMPLES``."""
+    sizes = sorted({PRECISIONS[p][1] for p in args.precisions} - {SECTION_GROUP_SIZE})
     return (TITLE + SECTION_SUFFIXES[args.grid] + (f" (group size {', '.join(map(str, sizes))})" if sizes else "")
             + (f" ({args.calib_samples} calibration samples)" if args.calib_samples != SECTION_SAMPLES else ""))
 
