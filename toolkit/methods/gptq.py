@@ -67,11 +67,12 @@ def quantize_layer(session: LayerSession) -> dict[str, QuantizedWeight]:
             for name in group}
         # kept for the refits only: otherwise popped straight into the call, so that the factorization holds the
         # only reference and frees the Hessian
-        kept = hessians[group[0]] if cfg.refit_rounds else None
+        hessian = hessians[group[0]] if cfg.refit_rounds else None
         factor = hessian_factor(hessians.pop(group[0]), cfg.damp, cfg.act_order)
-        hessian = None if kept is None else dampened_(kept, cfg.damp)
+        if hessian is not None:
+            dampened_(hessian, cfg.damp)
         results.update({name: _quantize_linear(session, name, factor, targets.get(name), hessian) for name in group})
-        del factor, kept, hessian
+        del factor, hessian
     return results
 
 
@@ -123,6 +124,8 @@ def _quantize_linear(session: LayerSession, name: str, factor: HessianFactor, ta
     qweight, loss = gptq_factored(W, factor, cfg.bits, cfg.group_size, cfg.sym, block_size=cfg.block_size,
                                   static_groups=cfg.static_groups, mse_clip=cfg.mse_clip, rule=cfg.scale_rule)
     if cfg.refit_rounds:
+        W = W.float().masked_fill(factor.dead, 0.0)  # as GPTQ fits it: inputs never active get a zero weight
+
         def on_grid(grid: QuantizedWeight) -> QuantizedWeight:
             return gptq_factored(W, factor, cfg.bits, cfg.group_size, cfg.sym, block_size=cfg.block_size,
                                  rule=cfg.scale_rule, grid=grid)[0]
